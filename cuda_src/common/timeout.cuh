@@ -1,0 +1,64 @@
+// Bounded waits on other GPUs. A wait that runs past its deadline records who waited for whom in a
+// host-mapped ErrorRecord (first failure wins) and returns false; the kernel then winds down and the
+// host raises epcomm.errors.PeerTimeout. Nothing here traps, so the CUDA context survives.
+#pragma once
+#include "ptx.cuh"
+
+namespace epcomm {
+
+// Mirrored by epcomm.runtime.status.ErrorRecord (ctypes); keep both 32 bytes.
+struct ErrorRecord {
+    int code;   // 0 = ok, 1 = peer timeout
+    int op;     // epcomm.runtime.status.OPS index
+    int rank;   // the rank that waited
+    int peer;   // the rank it waited for (-1 = unknown / local)
+    int phase;  // op-specific phase number (named in Python next to the op)
+    int reserved[3];
+};
+static_assert(sizeof(ErrorRecord) == 32, "ErrorRecord layout is mirrored in Python");
+
+enum ErrorCode : int { kOk = 0, kPeerTimeout = 1 };
+
+struct WaitContext {
+    ErrorRecord *err;                 // host-mapped record (device pointer)
+    unsigned long long deadline_ns;   // %globaltimer value after which waits fail
+    int op;
+    int rank;
+
+    __device__ __forceinline__ static WaitContext make(ErrorRecord *err, unsigned long long timeout_ns,
+                                                       int op, int rank) {
+        return WaitContext{err, globaltimer_ns() + timeout_ns, op, rank};
+    }
+
+    // True once any block (of any kernel sharing this record) has recorded a failure.
+    __device__ __forceinline__ bool failed() const { return ld_relaxed_sys(&err->code) != kOk; }
+
+    __device__ __noinline__ void record(int peer, int phase) const {
+        if (atomicCAS(&err->code, kOk, kPeerTimeout) == kOk) {
+            err->op = op;
+            err->rank = rank;
+            err->peer = peer;
+            err->phase = phase;
+            __threadfence_system();
+        }
+    }
+
+    // Spin until ready() is true. Returns false (after recording) when the deadline passes or another
+    // block already failed; callers then skip the rest of their work.
+    template <class Ready>
+    __device__ __forceinline__ bool wait(int peer, int phase, Ready ready) const {
+        unsigned int spins = 0;
+        while (!ready()) {
+            if ((++spins & 1023u) == 0) {
+                if (globaltimer_ns() > deadline_ns) {
+                    record(peer, phase);
+                    return false;
+                }
+                if (failed()) return false;
+            }
+        }
+        return true;
+    }
+};
+
+}  // namespace epcomm

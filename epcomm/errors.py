@@ -1,0 +1,34 @@
+"""Exceptions raised by epcomm. Each names the operation and, where one is involved, rank and peer."""
+from __future__ import annotations
+
+
+class EpcommError(RuntimeError):
+    """Base class of epcomm's runtime errors (bad input raises ValueError / TypeError instead)."""
+
+
+class ToolchainError(EpcommError):
+    """NVRTC, nvJitLink, CUDA headers or NVSHMEM could not be found or loaded."""
+
+
+class CompileError(EpcommError):
+    def __init__(self, stage: str, key: str, log: str, unit_path: str | None = None):
+        self.stage, self.key, self.log, self.unit_path = stage, key, log, unit_path
+        where = f" (unit dumped to {unit_path})" if unit_path else ""
+        super().__init__(f"{stage} failed for {key}{where}:\n{log}")
+
+
+class NvshmemError(EpcommError):
+    """NVSHMEM is missing, failed to initialise, or its world does not match the group."""
+
+
+class PeerTimeout(EpcommError):
+    """A GPU wait on another rank ran past EPCOMM_TIMEOUT_S."""
+
+    def __init__(self, op: str, rank: int, peer: int, phase: str, timeout_s: float):
+        self.op, self.rank, self.peer, self.phase, self.timeout_s = op, rank, peer, phase, timeout_s
+        super().__init__(f"{op}: rank {rank} timed out after {timeout_s:g} s waiting for peer {peer} "
+                         f"({phase})")
+
+
+class BufferUnusable(EpcommError):
+    """The Buffer saw a peer timeout or was destroyed; its communication state is no longer valid."""

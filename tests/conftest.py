@@ -1,0 +1,138 @@
+"""Shared test machinery.
+
+CPU tests run the reference backend on several gloo processes with `run_ranks(fn, world_size, ...)`.
+GPU tests (marker `gpu`) run under torchrun (`make test-gpu`): every rank runs the same pytest session
+and each test is collective; the `dist` fixture gives the NCCL group. Without torchrun or GPUs they
+skip with the reason printed (`-rs`).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import traceback
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: N gloo processes
+# ---------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, fn, args, result_dir):
+    import torch
+    import torch.distributed as dist
+    os.environ.setdefault("EPCOMM_BACKEND", "cpu")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    try:
+        fn(rank, world_size, dist.group.WORLD, *args)
+        status = "ok"
+    except BaseException:  # report everything to the parent, which raises
+        status = traceback.format_exc()
+    with open(os.path.join(result_dir, f"rank{rank}"), "w") as f:
+        f.write(status)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0):
+    """Run fn(rank, world_size, group, *args) on world_size gloo processes; raise on any failure.
+    fn must be a module-level function (it is pickled into spawned processes)."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as result_dir:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, result_dir))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        failures = []
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                failures.append(f"rank {r}: did not finish in {timeout} s")
+                continue
+            path = os.path.join(result_dir, f"rank{r}")
+            status = open(path).read() if os.path.exists(path) else f"exit code {p.exitcode}"
+            if status != "ok":
+                failures.append(f"rank {r}:\n{status}")
+        if failures:
+            pytest.fail("\n".join(failures), pytrace=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: torchrun
+# ---------------------------------------------------------------------------------------------
+def _gpu_skip_reason():
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (GPU tests run on the GPU machine: make test-gpu)"
+    if "WORLD_SIZE" not in os.environ:
+        return "GPU tests are collective: run them under torchrun with `make test-gpu`"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _gpu_skip_reason()
+    if reason is None:
+        return
+    marker = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(marker)
+
+
+class DistEnv:
+    def __init__(self):
+        import torch
+        import torch.distributed as dist
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        torch.cuda.set_device(self.local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", device_id=torch.device("cuda", self.local_rank))
+        self.group = dist.group.WORLD
+        self.device = torch.device("cuda", self.local_rank)
+
+    def all_ok(self, ok: bool) -> bool:
+        """True only if ok is true on every rank, so all ranks fail (or pass) a check together."""
+        import torch
+        import torch.distributed as dist
+        t = torch.tensor([0 if ok else 1], device=self.device)
+        dist.all_reduce(t)
+        return int(t.item()) == 0
+
+    def barrier(self):
+        import torch.distributed as dist
+        dist.barrier(device_ids=[self.local_rank])
+
+
+_DIST = None
+
+
+@pytest.fixture(scope="session")
+def dist_env():
+    global _DIST
+    if _DIST is None:
+        _DIST = DistEnv()
+    return _DIST
