@@ -25,7 +25,7 @@ precompile: deps
 # GPU tests: one process per local GPU; each test runs collectively on every rank.
 test-gpu:
 	@if [ "$(NGPUS)" -lt 1 ]; then echo "make test-gpu: no CUDA GPU found"; exit 1; fi
-	$(GPU_ENV) $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NGPUS) \
+	$(GPU_ENV) $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NGPUS) --tee 3 \
 	  -m pytest -q -rs -m gpu -p no:cacheprovider tests
 
 bench:

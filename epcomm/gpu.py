@@ -10,27 +10,155 @@ State the ops modules may use (and nothing else of this class):
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from .backend import Backend
+from .errors import BufferUnusable, EpcommError
+
+
+def local_rank_count(host_keys: List[str]) -> int:
+    """Ranks per host, given each rank's host. Hosts must hold equally many ranks, numbered
+    contiguously (ranks 0..L-1 on the first host, ...), as DeepEP's NVLink/RDMA split assumes."""
+    runs: List[List] = []  # [host, count] per run of equal consecutive keys
+    for key in host_keys:
+        if runs and runs[-1][0] == key:
+            runs[-1][1] += 1
+        else:
+            runs.append([key, 1])
+    layout = ", ".join(f"{host.split('/')[0]} x{count}" for host, count in runs)
+    if len({host for host, _ in runs}) != len(runs):
+        raise ValueError(f"the ranks of each host must be contiguous in the group, got runs of "
+                         f"hosts: {layout}")
+    if len({count for _, count in runs}) != 1:
+        raise ValueError(f"every host must hold the same number of ranks, got {layout}")
+    return runs[0][1]
 
 
 class GpuBackend(Backend):
     def __init__(self, group, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool,
                  options: dict):
-        raise NotImplementedError("GpuBackend construction (runtime helper fills this in)")
+        """Collective over `group`. Every check that could fail on one rank only is gathered first,
+        so all ranks raise together rather than some waiting forever in NVSHMEM."""
+        import torch.distributed as dist
+        from . import env
+        from .runtime.arch import device_arch
+        from .runtime.nvshmem import Nvshmem, host_key
+        from .runtime.status import StatusRecord
+        from .runtime.symmetric import SymmetricBuffer
+
+        self._destroyed = True  # until construction completes, destroy() has nothing to release
+        self.group = group
+        self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        self.device_index = torch.cuda.current_device()
+        self.device = torch.device("cuda", self.device_index)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.options = dict(options)
+        self.timeout_ns = int(env.timeout_s() * 1e9)
+        self.nvl = self.rdma = self._ll = None
+
+        local_error, status = None, None
+        try:
+            self.arch = device_arch(self.device_index)
+            status = StatusRecord(self.device, on_failure=self._on_peer_failure)
+        except Exception as e:  # re-raised below, after the other ranks have heard of it
+            local_error = e
+        mine = (host_key(), num_nvl_bytes, num_rdma_bytes, self.low_latency_mode,
+                repr(local_error) if local_error else None)
+        facts = [None] * self.num_ranks
+        dist.all_gather_object(facts, mine, group=group)
+        if local_error is not None:
+            raise local_error
+        failed = [f"rank {r}: {f[4]}" for r, f in enumerate(facts) if f[4]]
+        if failed:
+            status.free()
+            raise EpcommError("GPU backend setup failed on other ranks: " + "; ".join(failed))
+        for index, what in ((1, "num_nvl_bytes"), (2, "num_rdma_bytes"), (3, "low_latency_mode")):
+            if len({f[index] for f in facts}) != 1:
+                status.free()
+                raise ValueError(f"{what} must be equal on every rank, got "
+                                 f"{[f[index] for f in facts]} (by rank)")
+        self.num_local_ranks = local_rank_count([f[0] for f in facts])
+
+        self.status = status
+        # NVSHMEM init and allocation failures raise on every rank at the same point, so what was
+        # already allocated can be freed collectively.
+        try:
+            self.nvshmem = Nvshmem.init(group, self.device_index)
+            if num_nvl_bytes > 0:
+                self.nvl = SymmetricBuffer(self.nvshmem, num_nvl_bytes, self.device)
+            if num_rdma_bytes > 0:
+                self.rdma = SymmetricBuffer(self.nvshmem, num_rdma_bytes, self.device)
+        except BaseException:
+            for buf in (self.nvl, self.rdma):
+                if buf is not None:
+                    buf.free()
+            status.free()
+            raise
+        self._destroyed = False
+        # Buffers not destroyed by the user are destroyed at exit, before NVSHMEM is finalised.
+        self.nvshmem.add_teardown(self.destroy)
+
+    def _on_peer_failure(self, error) -> None:
+        # A peer may be dead: barriers and collective frees with it would hang teardown and exit.
+        self.nvshmem.peer_failed = True
+
+    def _require_usable(self) -> None:
+        if self._destroyed:
+            raise BufferUnusable("this Buffer was destroyed")
+        if self.status.error is not None:
+            raise BufferUnusable(f"this Buffer is unusable after an earlier failure: "
+                                 f"{self.status.error}") from self.status.error
+
+    # ---- buffer memory -----------------------------------------------------------------------
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
+                                use_rdma_buffer: bool) -> torch.Tensor:
+        """Zero-copy view of this rank's NVL (or RDMA) buffer from byte `offset`: `size` elements
+        shaped as given, or (size None) every whole element up to the end of the buffer."""
+        self._require_usable()
+        buf, what = (self.rdma, "rdma") if use_rdma_buffer else (self.nvl, "nvl")
+        if buf is None:
+            raise ValueError(f"get_local_buffer_tensor: this Buffer has no {what.upper()} buffer "
+                             f"(num_{what}_bytes=0)")
+        if size is None:
+            if not isinstance(offset, int) or not 0 <= offset <= buf.nbytes:
+                raise ValueError(f"get_local_buffer_tensor: offset {offset!r} is outside the "
+                                 f"{what.upper()} buffer of {buf.nbytes} B")
+            size = ((buf.nbytes - offset) // torch.empty((), dtype=dtype).element_size(),)
+        return buf.view(dtype, size, offset)
+
+    def check_errors(self) -> None:
+        self._require_usable()
+        self.status.check()
+
+    def destroy(self) -> None:
+        """Collective and idempotent: free the symmetric buffers and the error record. After a peer
+        timeout the symmetric memory is left to process exit (freeing it needs the peer)."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self._ll = None
+        self.nvshmem.remove_teardown(self.destroy)
+        if self.nvshmem.live and not self.nvshmem.peer_failed:
+            self.nvshmem.barrier_all()  # no peer kernel may still write into what is freed next
+            for buf in (self.nvl, self.rdma):
+                if buf is not None:
+                    buf.free()
+        self.status.free()
 
     # ---- normal mode -------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
+        self._require_usable()
         from .ops import layout
         return layout.get_dispatch_layout(topk_idx, num_experts, self.num_ranks, self.num_local_ranks)
 
     def _normal_mode(self):
+        self._require_usable()
         if self.num_ranks > self.num_local_ranks:
-            from .ops import internode
-            return internode
+            raise NotImplementedError(
+                "internode normal mode (NVLink + RDMA forwarding) is not implemented yet: this group "
+                f"spans {self.num_ranks // self.num_local_ranks} nodes of {self.num_local_ranks} ranks")
         from .ops import intranode
         return intranode
 
@@ -42,6 +170,7 @@ class GpuBackend(Backend):
 
     # ---- low-latency mode --------------------------------------------------------------------
     def _low_latency(self):
+        self._require_usable()
         if self._ll is None:
             from .ops.low_latency import LowLatency
             self._ll = LowLatency(self)

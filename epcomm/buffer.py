@@ -1,0 +1,457 @@
+"""`Buffer`: DeepEP V1's public API. Each call validates its arguments (epcomm.validate), runs the
+backend inside the stream scope (epcomm.streams) and builds DeepEP's return tuples, handing tensors
+back in the caller's framework (torch, or CuPy / any DLPack producer, zero-copy)."""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import env, validate
+from .config import COMBINE_CHUNKS, DISPATCH_CHUNKS, Config, recommended
+from .errors import BufferUnusable
+from .event import EventOverlap
+from .streams import CommStreamScope, new_comm_stream
+from .validate import Call
+
+NUM_BUFFER_ALIGNMENT_BYTES = 128
+Tensor = torch.Tensor
+FP8Pair = Tuple[torch.Tensor, torch.Tensor]
+
+
+def _make_backend(group, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool, options: dict):
+    """EPCOMM_BACKEND: cpu / gpu, or auto: the CPU reference for a gloo-only group, else the GPU."""
+    choice = env.backend()
+    if choice == "auto":
+        name = str(dist.get_backend(group))
+        choice = "cpu" if "gloo" in name and "nccl" not in name else "gpu"
+    if choice == "cpu":
+        from .reference import ReferenceBackend as backend_class
+    else:
+        from .gpu import GpuBackend as backend_class
+    return backend_class(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, options)
+
+
+class BufferRuntime:
+    """The queries of DeepEP's `Buffer.runtime` that user code calls (None after `destroy()`)."""
+
+    def __init__(self, backend, comm_stream) -> None:
+        self._rank, self._num_ranks, self._num_local_ranks = backend.rank, backend.num_ranks, backend.num_local_ranks
+        self._device, self._comm_stream = backend.device, comm_stream
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_internode_available(self) -> bool:
+        return self._num_ranks > self._num_local_ranks
+
+    def get_num_rdma_ranks(self) -> int:
+        return self._num_ranks // self._num_local_ranks
+
+    def get_rdma_rank(self) -> int:
+        return self._rank // self._num_local_ranks
+
+    def get_root_rdma_rank(self, global_: bool) -> int:
+        return self._rank % self._num_local_ranks if global_ else 0
+
+    def get_local_device_id(self) -> int:
+        return -1 if self._device.index is None else self._device.index
+
+    def get_comm_stream(self):
+        return self._comm_stream
+
+
+class Buffer:
+    """Expert-parallel communication buffers of one rank: high-throughput intranode / internode
+    dispatch and combine (normal mode) and low-latency dispatch and combine.
+
+    Attributes: num_sms (class attribute, SMs of normal-mode kernels), rank, group_size, group,
+    num_nvl_bytes, num_rdma_bytes, low_latency_mode, explicitly_destroy, enable_shrink, runtime.
+    Shapes below: N local tokens, H hidden, K top-k, E experts, R ranks, E_l = E / R,
+    T = num_max_dispatch_tokens_per_rank, M received rows.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: Optional[object] = None) -> None:
+        """Collective over `group`: every rank builds its Buffer with the same arguments.
+
+        Arguments:
+            group: the torch.distributed ProcessGroup of the EP ranks (bootstrap exchanges only).
+            num_nvl_bytes: bytes of the buffer shared with NVLink peers (normal mode), multiple of 128.
+            num_rdma_bytes: bytes of the symmetric buffer (internode and low-latency), multiple of 128.
+            low_latency_mode: enable low-latency calls (needs num_rdma_bytes from
+                get_low_latency_rdma_size_hint).
+            num_qps_per_rank: RDMA queue pairs per peer (kept for the RDMA transport).
+            allow_nvlink_for_low_latency_mode: low-latency traffic may use NVLink peers.
+            allow_mnnvl: allow multi-node NVLink.
+            use_fabric: allocate with the fabric API (the symmetric heap chooses its own handles).
+            explicitly_destroy: the user calls destroy(); otherwise resources are released at exit.
+            enable_shrink: enable the low-latency rank-masking calls.
+            comm: an mpi4py communicator instead of group: not supported (NotImplementedError).
+        """
+        c = Call("Buffer", torch.device("cpu"), 1)
+        if comm is not None:
+            raise NotImplementedError("Buffer: comm (an mpi4py communicator) is not supported; pass a "
+                                      "torch.distributed ProcessGroup as group")
+        if not isinstance(group, dist.ProcessGroup):
+            raise c.error("group", f"must be a torch.distributed ProcessGroup, got {type(group).__name__}",
+                          TypeError)
+        sizes = {}
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            sizes[name] = c.integer(name, value, minimum=0)
+            if sizes[name] % NUM_BUFFER_ALIGNMENT_BYTES:
+                raise c.error(name, f"must be a multiple of {NUM_BUFFER_ALIGNMENT_BYTES}, got {sizes[name]}")
+        low_latency_mode = c.flag("low_latency_mode", low_latency_mode)
+        if low_latency_mode and sizes["num_rdma_bytes"] == 0:
+            raise c.error("num_rdma_bytes", "must be > 0 with low_latency_mode=True (see "
+                                            "Buffer.get_low_latency_rdma_size_hint), got 0")
+        options = {
+            "num_qps_per_rank": c.integer("num_qps_per_rank", num_qps_per_rank, minimum=1 if low_latency_mode else 0),
+            "allow_nvlink_for_low_latency_mode": c.flag("allow_nvlink_for_low_latency_mode",
+                                                        allow_nvlink_for_low_latency_mode),
+            "allow_mnnvl": c.flag("allow_mnnvl", allow_mnnvl),
+            "use_fabric": c.flag("use_fabric", use_fabric),
+            "explicitly_destroy": c.flag("explicitly_destroy", explicitly_destroy),
+            "enable_shrink": c.flag("enable_shrink", enable_shrink),
+        }
+        self.rank, self.group_size, self.group = group.rank(), group.size(), group
+        self.num_nvl_bytes, self.num_rdma_bytes = sizes["num_nvl_bytes"], sizes["num_rdma_bytes"]
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy, self.enable_shrink = options["explicitly_destroy"], options["enable_shrink"]
+        self._backend = _make_backend(group, self.num_nvl_bytes, self.num_rdma_bytes, low_latency_mode, options)
+        self._device = self._backend.device
+        self._internode = self._backend.num_ranks > self._backend.num_local_ranks
+        self._comm_stream = new_comm_stream(self._device)
+        self._low_latency_bytes = {}   # (T, H, E) -> bytes the low-latency layout needs
+        # Without explicitly_destroy the backend releases itself at exit: a release from the
+        # garbage collector could run at a different point on each rank, and it is collective.
+        self.runtime = BufferRuntime(self._backend, self._comm_stream)
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self._backend is None else type(self._backend).__name__
+        return (f"Buffer(rank={self.rank}, group_size={self.group_size}, num_nvl_bytes={self.num_nvl_bytes}, "
+                f"num_rdma_bytes={self.num_rdma_bytes}, low_latency_mode={self.low_latency_mode}, {state})")
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _begin(self, op: str) -> Call:
+        if self._backend is None:
+            raise BufferUnusable(f"Buffer.{op}: the Buffer was destroyed")
+        self._backend.check_errors()
+        return Call(f"Buffer.{op}", self._device, self.group_size)
+
+    def _require_normal_mode(self, c: Call) -> None:
+        c.require(self.num_nvl_bytes > 0, "needs a Buffer with num_nvl_bytes > 0 (see "
+                                          "Config.get_nvl_buffer_size_hint), this one has 0")
+        c.require(not self._internode or self.num_rdma_bytes > 0,
+                  "internode mode needs a Buffer with num_rdma_bytes > 0 (see Config.get_rdma_buffer_size_hint)")
+
+    def _low_latency(self, c: Call, shape: Optional[Tuple[int, int, int]] = None):
+        """The low-latency ops module, after checking the Buffer's mode (and capacity for (T, H, E))."""
+        c.require(self.low_latency_mode, "needs a Buffer built with low_latency_mode=True")
+        from .ops import low_latency
+        if shape is not None:
+            need = self._low_latency_bytes.get(shape)
+            if need is None:
+                need = self._low_latency_bytes[shape] = int(low_latency.rdma_size_hint(
+                    shape[0], shape[1], self.group_size, shape[2]))
+            c.require(need <= self.num_rdma_bytes,
+                      f"num_max_dispatch_tokens_per_rank={shape[0]}, hidden={shape[1]}, num_experts={shape[2]} "
+                      f"need num_rdma_bytes >= {need} (Buffer.get_low_latency_rdma_size_hint), this Buffer "
+                      f"has {self.num_rdma_bytes}")
+        return low_latency
+
+    def _shrink(self, c: Call) -> None:
+        self._low_latency(c)
+        c.require(self.enable_shrink, "needs a Buffer built with enable_shrink=True")
+
+    # ---- class-level API -----------------------------------------------------------------------
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SMs of normal-mode kernels (even, > 0) used by the recommended configs."""
+        c = Call("Buffer.set_num_sms", torch.device("cpu"), 1)
+        new_num_sms = c.integer("new_num_sms", new_num_sms, minimum=2)
+        if new_num_sms % 2:
+            raise c.error("new_num_sms", f"must be even, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Always True: kernels are compiled at first use for the GPU at hand, so an SM90 GPU always
+        gets the SM90 feature set (and SM80 GPUs get every mode as well)."""
+        return True
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An EventOverlap recorded on `torch.cuda.current_stream()` (event None without CUDA)."""
+        if not torch.cuda.is_available():
+            return EventOverlap()
+        event = torch.cuda.Event()
+        event.record()
+        return EventOverlap(event)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """Recommended dispatch Config for num_ranks ranks with Buffer.num_sms SMs (any num_ranks >= 1)."""
+        return recommended(DISPATCH_CHUNKS, num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """Recommended combine Config for num_ranks ranks with Buffer.num_sms SMs (any num_ranks >= 1)."""
+        return recommended(COMBINE_CHUNKS, num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of num_rdma_bytes low-latency calls need for (T, H, R, E) (sized for BF16)."""
+        c = Call("Buffer.get_low_latency_rdma_size_hint", torch.device("cpu"), 1)
+        c.num_ranks = c.integer("num_ranks", num_ranks, minimum=1)
+        t, h, e = validate.ll_shape(c, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        from .ops import low_latency
+        return int(low_latency.rdma_size_hint(t, h, c.num_ranks, e))
+
+    # ---- buffer memory and lifetime ------------------------------------------------------------
+    def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
+        """The communication stream (None on the CPU backend)."""
+        return self._comm_stream
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """A zero-copy view of this rank's NVLink buffer (or RDMA buffer with use_rdma_buffer) of `dtype`,
+        starting `offset` bytes in: shaped `size` if given, else 1-D over the rest of the buffer."""
+        c = self._begin("get_local_buffer_tensor")
+        if not isinstance(dtype, torch.dtype):
+            raise c.error("dtype", f"must be a torch.dtype, got {type(dtype).__name__}", TypeError)
+        offset = c.integer("offset", offset, minimum=0)
+        use_rdma_buffer = c.flag("use_rdma_buffer", use_rdma_buffer)
+        name, nbytes = (("num_rdma_bytes", self.num_rdma_bytes) if use_rdma_buffer
+                        else ("num_nvl_bytes", self.num_nvl_bytes))
+        c.require(nbytes > 0, f"the Buffer has {name}=0, so there is no such buffer to view")
+        if offset % dtype.itemsize or offset > nbytes:
+            raise c.error("offset", f"must be a multiple of {dtype.itemsize} (the size of {dtype}) within the "
+                                    f"{nbytes}-byte buffer, got {offset}")
+        if size is not None:
+            if not isinstance(size, (tuple, list)):
+                raise c.error("size", f"must be None or a torch.Size, got {type(size).__name__}", TypeError)
+            size = torch.Size([c.integer("size", s, minimum=0) for s in size])
+            if size.numel() * dtype.itemsize > nbytes - offset:
+                raise c.error("size", f"{list(size)} of {dtype} needs {size.numel() * dtype.itemsize} bytes, "
+                                      f"only {nbytes - offset} remain after offset {offset}")
+        return self._backend.get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
+
+    def destroy(self) -> None:
+        """Release the buffers (collective). Only for a Buffer built with explicitly_destroy=True."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("Buffer.destroy: only a Buffer built with explicitly_destroy=True is destroyed "
+                               "by hand; this one is released at exit")
+        if self._backend is None:
+            raise BufferUnusable("Buffer.destroy: the Buffer was already destroyed")
+        backend, self._backend, self.runtime = self._backend, None, None
+        backend.destroy()
+
+    # ---- normal mode ---------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False
+                            ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, EventOverlap]:
+        """Count what each rank and expert receives.
+
+        Arguments:
+            topk_idx: [N, K] epcomm.topk_idx_t (int64), expert ids, -1 = none.
+            num_experts: E, divisible by R.
+            previous_event: the comm stream waits for it instead of the current stream.
+            async_finish: return at once with an event instead of making the current stream wait.
+            allocate_on_comm_stream: outputs belong to the comm stream (needs previous_event, async_finish).
+        Returns: num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [R / ranks per node] int32 or
+            None intranode, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event.
+        """
+        c = self._begin("get_dispatch_layout")
+        topk_idx, num_experts = validate.layout_args(c, topk_idx, num_experts)
+        previous_event, async_finish, _ = validate.stream_args(c, previous_event, async_finish,
+                                                               allocate_on_comm_stream)
+        with CommStreamScope(self._comm_stream, previous_event, async_finish) as scope:
+            outputs = self._backend.get_dispatch_layout(topk_idx, num_experts)
+            event = scope.finish((topk_idx,), outputs)
+        return (*c.output(tuple(outputs)), event)
+
+    def dispatch(self, x: Union[Tensor, FP8Pair], handle: Optional[Tuple] = None,
+                 num_tokens_per_rank: Optional[Tensor] = None, num_tokens_per_rdma_rank: Optional[Tensor] = None,
+                 is_token_in_rank: Optional[Tensor] = None, num_tokens_per_expert: Optional[Tensor] = None,
+                 topk_idx: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False
+                 ) -> Tuple[Union[Tensor, FP8Pair], Optional[Tensor], Optional[Tensor], Optional[List[int]],
+                            Optional[Tuple], EventOverlap]:
+        """Send each token to the ranks of its experts.
+
+        Arguments:
+            x: [N, H] bfloat16 (H % 8 == 0), or (x [N, H] float8_e4m3fn, scales [N, H / 128] float32, any
+                strides) with H % 128 == 0.
+            handle: a previous dispatch's handle: cached mode, same routing, layout arguments unused.
+            num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [R / ranks per node] int32 (internode),
+            is_token_in_rank [N, R] bool, num_tokens_per_expert [E] int32: from get_dispatch_layout.
+            topk_idx: [N, K] topk_idx_t, -1 = none; topk_weights: [N, K] float32 (both or neither).
+            expert_alignment: round each per-expert count up to a multiple of this (>= 1).
+            num_worst_tokens: > 0: receive exactly this many rows, no host synchronisation.
+            config: Config, default get_dispatch_config(R); previous_event, async_finish,
+            allocate_on_comm_stream: as in get_dispatch_layout.
+        Returns: recv_x ([M, H] bfloat16 or the FP8 pair), recv_topk_idx [M, K] (local expert ids, -1
+            elsewhere), recv_topk_weights [M, K] float32, num_recv_tokens_per_expert_list (E_l ints),
+            handle, event. Cached mode returns (recv_x, None, None, None, None, event).
+        """
+        c = self._begin("dispatch")
+        self._require_normal_mode(c)
+        args = validate.dispatch_args(c, self._internode, self._backend.num_local_ranks, x, handle,
+                                      num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                      num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                                      num_worst_tokens)
+        config = c.config("config", config, None) or self.get_dispatch_config(self.group_size)
+        previous_event, async_finish, _ = validate.stream_args(c, previous_event, async_finish,
+                                                               allocate_on_comm_stream)
+        with CommStreamScope(self._comm_stream, previous_event, async_finish) as scope:
+            r = self._backend.dispatch(*args, config)
+            event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_topk_idx, r.recv_topk_weights, r.handle))
+        recv_x = c.output(r.recv_x if args[1] is None else (r.recv_x, r.recv_x_scales))
+        if args[2] is not None:
+            return recv_x, None, None, None, None, event
+        return (recv_x, c.output(r.recv_topk_idx), c.output(r.recv_topk_weights),
+                r.num_recv_tokens_per_expert_list, c.output(r.handle), event)
+
+    def combine(self, x: Tensor, handle: Tuple, topk_weights: Optional[Tensor] = None,
+                bias: Union[None, Tensor, Tuple[Tensor, Tensor]] = None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> Tuple[Tensor, Optional[Tensor], EventOverlap]:
+        """Send rows back to their tokens' ranks and sum them (unweighted, fp32 accumulation).
+
+        Arguments:
+            x: [M, H] bfloat16 in dispatch's row order; handle: the dispatch's handle.
+            topk_weights: [M, K] float32, summed per token like x.
+            bias: [N, H] bfloat16, or a 2-tuple of them (either None), added to the result.
+            config: Config, default get_combine_config(R); stream arguments as in get_dispatch_layout.
+        Returns: combined_x [N, H] bfloat16, combined_topk_weights [N, K] float32 or None, event.
+        """
+        c = self._begin("combine")
+        self._require_normal_mode(c)
+        x, handle, topk_weights, bias = validate.combine_args(c, self._internode, x, handle, topk_weights, bias)
+        config = c.config("config", config, None) or self.get_combine_config(self.group_size)
+        previous_event, async_finish, _ = validate.stream_args(c, previous_event, async_finish,
+                                                               allocate_on_comm_stream)
+        with CommStreamScope(self._comm_stream, previous_event, async_finish) as scope:
+            combined_x, combined_topk_weights = self._backend.combine(x, handle, topk_weights, bias, config)
+            event = scope.finish((x, handle, topk_weights, bias), (combined_x, combined_topk_weights))
+        return c.output(combined_x), c.output(combined_topk_weights), event
+
+    # ---- low-latency mode ----------------------------------------------------------------------
+    def _low_latency_scope(self, async_finish: bool) -> CommStreamScope:
+        # Synchronous and hook calls run on the current stream (nothing to order, lowest latency);
+        # async calls run on the comm stream after the current stream, like normal-mode calls.
+        return CommStreamScope(self._comm_stream if async_finish else None, None, async_finish)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Reset the low-latency signalling state for (T, H, E), e.g. after normal-mode calls used the memory."""
+        c = self._begin("clean_low_latency_buffer")
+        shape = validate.ll_shape(c, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._low_latency(c, shape)
+        self._backend.clean_low_latency_buffer(*shape)
+
+    def low_latency_dispatch(self, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False
+                             ) -> Tuple[Union[Tensor, FP8Pair], Tensor, Tuple, EventOverlap, Optional[Callable]]:
+        """Send each token to its experts' ranks, packed per local expert (at most 2 results alive).
+
+        Arguments:
+            x: [N, H] bfloat16, N <= T; H % 8 == 0 (BF16), % 128 (FP8), % 512 (UE8M0).
+            topk_idx: [N, K] topk_idx_t, -1 = none. T: identical on every rank. num_experts: E.
+            cumulative_local_expert_recv_stats: [E_l] int32, incremented by the received counts.
+            dispatch_wait_recv_cost_stats: [R] int64, accumulates wait time per source rank.
+            use_fp8 / round_scale / use_ue8m0: FP8 e4m3 with per-128-channel scales, power-of-two scales,
+                packed UE8M0 exponents (needs round_scale).
+            async_finish: return an event instead of waiting; return_recv_hook: only send, return a
+                hook that receives (exclusive with async_finish).
+        Returns: recv_x ([E_l, R*T, H] bfloat16, or (fp8 [E_l, R*T, H], scales [E_l, R*T, H/128] float32
+            or [E_l, R*T, H/512] int32, column-major in the last two dims)), recv_count [E_l] int32,
+            handle (src_info, layout_range, T, H, E), event, hook (or None).
+        """
+        c = self._begin("low_latency_dispatch")
+        async_finish, return_recv_hook = validate.exclusive_hook(c, async_finish, return_recv_hook)
+        low_latency = self._low_latency(c)
+        args = validate.ll_dispatch_args(c, low_latency.MAX_TOPK, x, topk_idx, num_max_dispatch_tokens_per_rank,
+                                         num_experts, cumulative_local_expert_recv_stats,
+                                         dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
+        self._low_latency(c, (args[2], args[0].shape[1], args[3]))
+        with self._low_latency_scope(async_finish) as scope:
+            r = self._backend.low_latency_dispatch(*args, return_recv_hook)
+            event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_count, r.handle))
+        recv_x = (r.recv_x, r.recv_x_scales) if args[6] else r.recv_x
+        return c.output(recv_x), c.output(r.recv_count), c.output(r.handle), event, r.hook
+
+    def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: Tuple,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[Tensor] = None
+                            ) -> Tuple[Tensor, EventOverlap, Optional[Callable]]:
+        """Send expert outputs back and reduce them with the top-k weights (fp32 accumulation).
+
+        Arguments:
+            x: [E_l, R*T, H] bfloat16 in low_latency_dispatch's layout.
+            topk_idx: [N, K] topk_idx_t and topk_weights: [N, K] float32 of the dispatched tokens.
+            handle: low_latency_dispatch's handle. use_logfmt: compressed payload.
+            zero_copy: x was already written into get_next_low_latency_combine_buffer(handle).
+            out: optional [N, H] bfloat16 destination. combine_wait_recv_cost_stats: [R] int64.
+            async_finish / return_recv_hook: as in low_latency_dispatch.
+        Returns: combined_x [N, H] bfloat16, event, hook (or None).
+        """
+        c = self._begin("low_latency_combine")
+        async_finish, return_recv_hook = validate.exclusive_hook(c, async_finish, return_recv_hook)
+        low_latency = self._low_latency(c)
+        args = validate.ll_combine_args(c, low_latency.MAX_TOPK, x, topk_idx, topk_weights, handle, use_logfmt,
+                                        zero_copy, out, combine_wait_recv_cost_stats)
+        _, _, t, h, e = args[3]
+        self._low_latency(c, (t, h, e))
+        backend_args = args[:6] + (return_recv_hook,) + args[6:]
+        with self._low_latency_scope(async_finish) as scope:
+            combined_x, hook = self._backend.low_latency_combine(*backend_args)
+            event = scope.finish(args, (combined_x,))
+        # Hand the caller's own `out` object back, as DeepEP returns `out` itself.
+        result = out if out is not None and combined_x is args[6] else c.output(combined_x)
+        return result, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: Tuple) -> Tensor:
+        """The [E_l, R*T, H] bfloat16 view the next low_latency_combine(zero_copy=True) sends from."""
+        c = self._begin("get_next_low_latency_combine_buffer")
+        handle = validate.ll_handle(c, handle)
+        self._low_latency(c, handle[2:])
+        return c.output(self._backend.get_next_low_latency_combine_buffer(handle))
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (mask=True) or unmask a rank for low-latency calls; needs enable_shrink."""
+        c = self._begin("low_latency_update_mask_buffer")
+        self._shrink(c)
+        rank_to_mask = c.integer("rank_to_mask", rank_to_mask, minimum=0)
+        if rank_to_mask >= self.group_size:
+            raise c.error("rank_to_mask", f"must be a rank in [0, {self.group_size}), got {rank_to_mask}")
+        self._backend.low_latency_update_mask_buffer(rank_to_mask, c.flag("mask", mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: Tensor) -> None:
+        """Write each rank's mask state (1 masked, 0 not) into mask_status [R] int32; needs enable_shrink."""
+        c = self._begin("low_latency_query_mask_buffer")
+        self._shrink(c)
+        mask_status = c.tensor("mask_status", mask_status, validate.I32, (self.group_size,), "[num_ranks]")
+        self._backend.low_latency_query_mask_buffer(mask_status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank; needs enable_shrink."""
+        c = self._begin("low_latency_clean_mask_buffer")
+        self._shrink(c)
+        self._backend.low_latency_clean_mask_buffer()
+

@@ -1,0 +1,159 @@
+"""Compiled cubins: an in-process memo over a disk cache under EPCOMM_CACHE_DIR (epcomm.env).
+
+Key = sha256 of: the entry format, every .cu/.cuh under cuda_src/ (so editing any header
+invalidates), the build plan (generated unit, name expressions, NVRTC and nvJitLink options with
+the cuda_src location left out, link libraries, target arch, feature set, link mode) and the
+toolchain (NVRTC, nvJitLink, NVSHMEM versions, CUDA header dirs).
+
+Entry = one file: magic, JSON header (key, lowered names), cubin, sha256 of all that. It is written
+to a temp file in the same directory and renamed over the entry (atomic), under a per-key flock so
+that N ranks starting together compile once; a torn or corrupt entry reads as a miss and is
+replaced. EPCOMM_ASSERT_NO_COMPILE=1 turns a miss into an error (tests prove warm paths with it).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+from .. import env
+from ..errors import CompileError
+from . import compiler, toolchain
+from .compiler import BuildPlan, CompiledCubin, KernelSource
+
+_FORMAT = b"EPCOMM-CUBIN-1\n"
+_MEMO: Dict[str, CompiledCubin] = {}
+_SRC_DIGESTS: Dict[Path, str] = {}
+
+
+def cuda_src_digest(root: Optional[Path] = None) -> str:
+    """Hash of every .cu/.cuh under cuda_src/ (names and contents); computed once per directory
+    per process: sources do not change under a running process."""
+    root = Path(root or compiler.cuda_src_dir())
+    digest = _SRC_DIGESTS.get(root)
+    if digest is None:
+        h = hashlib.sha256()
+        files = sorted(p for p in root.rglob("*") if p.suffix in (".cu", ".cuh") and p.is_file())
+        for path in files:
+            data = path.read_bytes()
+            h.update(f"{path.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+            h.update(data)
+        digest = _SRC_DIGESTS[root] = h.hexdigest()
+    return digest
+
+
+def cache_key(plan: BuildPlan) -> str:
+    h = hashlib.sha256(_FORMAT)
+    h.update(cuda_src_digest(Path(plan.cuda_src)).encode())
+    h.update(plan.digest.encode())
+    h.update(json.dumps(toolchain.fingerprint(), sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def entry_path(plan: BuildPlan, key: str) -> Path:
+    stem = Path(plan.source.source).stem
+    return env.cache_dir() / "cubin" / f"{stem}-sm{plan.target.arch_sm}-f{plan.target.feature}-{key[:32]}.bin"
+
+
+def get_cubin(src: KernelSource, arch_sm: int, feature: int) -> CompiledCubin:
+    """The cubin for `src` on sm_<arch_sm> with feature set `feature`: memo, disk, or a build."""
+    plan = compiler.plan_build(src, arch_sm, feature)
+    key = cache_key(plan)
+    hit = _MEMO.get(key)
+    if hit is not None:
+        return hit
+    path = entry_path(plan, key)
+    t0 = time.perf_counter()
+    hit = read_entry(path, key)
+    if hit is None:
+        if env.assert_no_compile():
+            raise CompileError("cache", plan.describe(),
+                               f"EPCOMM_ASSERT_NO_COMPILE=1 and no valid cache entry at {path}")
+        with _key_lock(path):
+            hit = read_entry(path, key)   # another rank may have built it while we waited
+            if hit is None:
+                hit = compiler.compile_plan(plan)
+                write_entry(path, key, hit)
+    else:
+        compiler.verbose(f"cache hit {plan.describe()}: {time.perf_counter() - t0:.3f} s ({path})")
+    _MEMO[key] = hit
+    return hit
+
+
+def clear_memo() -> None:
+    """Forget in-process results (tests: force the disk path)."""
+    _MEMO.clear()
+    _SRC_DIGESTS.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry format
+# ---------------------------------------------------------------------------------------------
+def _encode(key: str, compiled: CompiledCubin) -> bytes:
+    header = json.dumps({"key": key, "lowered": compiled.lowered}, sort_keys=True).encode()
+    body = (_FORMAT + struct.pack("<I", len(header)) + header
+            + struct.pack("<Q", len(compiled.cubin)) + compiled.cubin)
+    return body + hashlib.sha256(body).digest()
+
+
+def read_entry(path: Path, key: str) -> Optional[CompiledCubin]:
+    """The entry at `path` if it is whole, uncorrupted and for `key`; None otherwise."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    body, checksum = data[:-32], data[-32:]
+    if len(data) < len(_FORMAT) + 44 or not body.startswith(_FORMAT) \
+            or hashlib.sha256(body).digest() != checksum:
+        compiler.verbose(f"cache entry {path} is torn or corrupt: rebuilding it")
+        return None
+    pos = len(_FORMAT)
+    (header_len,) = struct.unpack_from("<I", body, pos)
+    header = json.loads(body[pos + 4:pos + 4 + header_len])
+    pos += 4 + header_len
+    (cubin_len,) = struct.unpack_from("<Q", body, pos)
+    cubin = body[pos + 8:pos + 8 + cubin_len]
+    if header.get("key") != key or len(cubin) != cubin_len:
+        return None
+    return CompiledCubin(bytes(cubin), dict(header["lowered"]), from_cache=True)
+
+
+def write_entry(path: Path, key: str, compiled: CompiledCubin) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o644)   # mkstemp makes 0600; other users of a shared cache may read
+        with os.fdopen(fd, "wb") as f:
+            f.write(_encode(key, compiled))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _key_lock(path: Path):
+    """Exclusive per-entry lock across processes (flock: released by the OS if a holder dies).
+    Where locking is unavailable the build simply runs unlocked: the rename keeps entries whole."""
+    import fcntl
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        f = open(path.with_suffix(".lock"), "a")
+    except OSError:
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield

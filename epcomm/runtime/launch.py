@@ -1,0 +1,241 @@
+"""Kernel launches through the CUDA driver (ctypes on libcuda.so.1; loaded on first use).
+
+`Kernel.launch(grid, block, params, stream, smem=0, cooperative=False, cluster=None)` passes ONE
+ctypes.Structure by value (the kernel's single Params argument). The common path is one
+cuLaunchKernel call with a prebuilt argument array; cooperative and cluster launches go through
+cuLaunchKernelEx. The first launch with a given Params class checks its size against the kernel's
+parameter in the cubin (cuFuncGetParamInfo), so a drifted ctypes mirror fails loudly, not silently.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
+from typing import NamedTuple, Optional, Tuple
+
+from ..errors import EpcommError
+
+_CUDA_ERROR_INVALID_VALUE = 1
+_CUDA_ERROR_INVALID_CONTEXT = 201
+_CUDA_ERROR_INVALID_HANDLE = 400
+_ATTR_MAX_THREADS_PER_BLOCK = 0
+_ATTR_SHARED_SIZE_BYTES = 1
+_ATTR_LOCAL_SIZE_BYTES = 3
+_ATTR_NUM_REGS = 4
+_ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
+_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+
+
+class _LaunchAttributeValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("cooperative", c_int), ("cluster_dim", c_uint * 3)]
+
+
+class _LaunchAttribute(ctypes.Structure):   # CUlaunchAttribute: id, 4 bytes pad, 64-byte value
+    _fields_ = [("id", c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):      # CUlaunchConfig
+    _fields_ = [("grid", c_uint * 3), ("block", c_uint * 3), ("shared_mem_bytes", c_uint),
+                ("stream", c_void_p), ("attrs", POINTER(_LaunchAttribute)), ("num_attrs", c_uint)]
+
+
+_SIGNATURES = {
+    "cuInit": [c_uint],
+    "cuGetErrorName": [c_int, POINTER(c_char_p)],
+    "cuDeviceGet": [POINTER(c_int), c_int],
+    "cuDevicePrimaryCtxRetain": [POINTER(c_void_p), c_int],
+    "cuCtxPushCurrent_v2": [c_void_p],
+    "cuCtxPopCurrent_v2": [POINTER(c_void_p)],
+    "cuModuleLoadData": [POINTER(c_void_p), c_char_p],
+    "cuModuleGetFunction": [POINTER(c_void_p), c_void_p, c_char_p],
+    "cuFuncGetAttribute": [POINTER(c_int), c_int, c_void_p],
+    "cuFuncSetAttribute": [c_void_p, c_int, c_int],
+    "cuFuncGetParamInfo": [c_void_p, c_size_t, POINTER(c_size_t), POINTER(c_size_t)],
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor": [POINTER(c_int), c_void_p, c_int, c_size_t],
+    "cuLaunchKernel": [c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_void_p,
+                       c_void_p, c_void_p],
+    "cuLaunchKernelEx": [POINTER(_LaunchConfig), c_void_p, c_void_p, c_void_p],
+}
+_driver = None
+_driver_lock = threading.Lock()
+
+
+def driver() -> ctypes.CDLL:
+    """libcuda.so.1 with the signatures above, cuInit done. Functions missing from an old driver
+    (cuFuncGetParamInfo before 12.4) are left unset and their checks skipped."""
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError as e:
+                raise EpcommError(f"cannot load the CUDA driver (libcuda.so.1): {e}") from e
+            for name, argtypes in _SIGNATURES.items():
+                fn = getattr(lib, name, None)
+                if fn is not None:
+                    fn.argtypes, fn.restype = argtypes, c_int
+            check(lib.cuInit(0), "cuInit")
+            _driver = lib
+    return _driver
+
+
+def error_name(rc: int) -> str:
+    name = c_char_p()
+    if _driver is None or _driver.cuGetErrorName(rc, byref(name)) != 0 or not name.value:
+        return f"CUDA error {rc}"
+    return f"{name.value.decode()} ({rc})"
+
+
+def check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise EpcommError(f"{what} failed: {error_name(rc)}")
+
+
+class LaunchConfig(NamedTuple):
+    grid: Tuple[int, int, int]
+    block: Tuple[int, int, int]
+    smem: int
+    stream: int
+    cooperative: bool
+    cluster: Optional[Tuple[int, int, int]]
+
+
+class Kernel:
+    """One __global__ function of a loaded module (see module.get_kernel)."""
+
+    def __init__(self, name: str, lowered_name: str, function: int, context: int, device_index: int,
+                 num_sms: int):
+        self.name, self.lowered_name, self.device_index = name, lowered_name, device_index
+        self.function, self.context, self.num_sms = function, context, num_sms
+        self._args = (c_void_p * 1)()        # kernelParams: the address of the one Params struct
+        self._checked_params_type = None
+        self._max_dynamic_smem = 0
+        self._occupancy = {}                 # (threads, smem) -> max active blocks per SM
+        self._launch = driver().cuLaunchKernel
+
+    # ---- launch ------------------------------------------------------------------------------
+    def launch(self, grid, block, params: ctypes.Structure, stream: int, smem: int = 0,
+               cooperative: bool = False, cluster=None) -> None:
+        """grid, block: 3-tuples; stream: CUstream handle (torch's `.cuda_stream`); smem: dynamic
+        shared-memory bytes (call set_max_dynamic_smem first above 48 KiB)."""
+        if type(params) is not self._checked_params_type:
+            self._check_params(params)
+        self._args[0] = ctypes.addressof(params)
+        if cooperative or cluster is not None:
+            return self._launch_ex(grid, block, stream, smem, cooperative, cluster)
+        rc = self._launch(self.function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                          smem, stream, self._args, None)
+        if rc in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
+            # The calling thread has another (or no) context current: launch in ours.
+            with pushed_context(self.context):
+                rc = self._launch(self.function, grid[0], grid[1], grid[2], block[0], block[1],
+                                  block[2], smem, stream, self._args, None)
+        if rc != 0:
+            self._launch_failed(rc, LaunchConfig(tuple(grid), tuple(block), smem, stream, False, None))
+
+    def _launch_ex(self, grid, block, stream, smem, cooperative, cluster) -> None:
+        config = LaunchConfig(tuple(grid), tuple(block), smem, stream, bool(cooperative),
+                              tuple(cluster) if cluster is not None else None)
+        if cooperative:
+            threads = block[0] * block[1] * block[2]
+            limit = self.max_active_blocks_per_sm(threads, smem) * self.num_sms
+            if grid[0] * grid[1] * grid[2] > limit:
+                raise EpcommError(f"cooperative launch of {self.name}: grid {config.grid} has more "
+                                  f"blocks than can be co-resident ({limit}); {config}")
+        attrs = (_LaunchAttribute * 2)()
+        n = 0
+        if cooperative:
+            attrs[n].id, attrs[n].value.cooperative = _LAUNCH_ATTRIBUTE_COOPERATIVE, 1
+            n += 1
+        if cluster is not None:
+            attrs[n].id = _LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attrs[n].value.cluster_dim[:] = list(cluster)
+            n += 1
+        cfg = _LaunchConfig((c_uint * 3)(*grid), (c_uint * 3)(*block), smem, stream, attrs, n)
+        fn = driver().cuLaunchKernelEx
+        rc = fn(byref(cfg), self.function, self._args, None)
+        if rc in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
+            with pushed_context(self.context):
+                rc = fn(byref(cfg), self.function, self._args, None)
+        if rc != 0:
+            self._launch_failed(rc, config)
+
+    def _launch_failed(self, rc: int, config: LaunchConfig):
+        raise EpcommError(f"launch of {self.name} failed: {error_name(rc)}; {config}; "
+                          f"num_regs={self.num_regs}, static smem={self.static_smem_bytes}, "
+                          f"max dynamic smem={self._max_dynamic_smem}")
+
+    def _check_params(self, params) -> None:
+        if not isinstance(params, ctypes.Structure):
+            raise TypeError(f"{self.name}: params must be a ctypes.Structure (the kernel's Params), "
+                            f"got {type(params).__name__}")
+        lib = driver()
+        if getattr(lib, "cuFuncGetParamInfo", None) is not None:
+            offset, size = c_size_t(), c_size_t()
+            check(lib.cuFuncGetParamInfo(self.function, 0, byref(offset), byref(size)),
+                  f"cuFuncGetParamInfo({self.name})")
+            extra = lib.cuFuncGetParamInfo(self.function, 1, byref(offset), byref(c_size_t()))
+            if size.value != ctypes.sizeof(params) or extra != _CUDA_ERROR_INVALID_VALUE:
+                raise TypeError(f"{self.name} takes one {size.value}-byte Params argument"
+                                f"{'' if extra else ' (and more)'}; {type(params).__name__} has "
+                                f"{ctypes.sizeof(params)} bytes")
+        self._checked_params_type = type(params)
+
+    # ---- attributes --------------------------------------------------------------------------
+    def _attribute(self, attr: int) -> int:
+        value = c_int()
+        check(driver().cuFuncGetAttribute(byref(value), attr, self.function),
+              f"cuFuncGetAttribute({self.name}, {attr})")
+        return value.value
+
+    @property
+    def num_regs(self) -> int:
+        return self._attribute(_ATTR_NUM_REGS)
+
+    @property
+    def local_bytes(self) -> int:
+        """Local memory per thread (register spills, dynamically indexed arrays)."""
+        return self._attribute(_ATTR_LOCAL_SIZE_BYTES)
+
+    @property
+    def static_smem_bytes(self) -> int:
+        return self._attribute(_ATTR_SHARED_SIZE_BYTES)
+
+    @property
+    def max_threads_per_block(self) -> int:
+        return self._attribute(_ATTR_MAX_THREADS_PER_BLOCK)
+
+    def set_max_dynamic_smem(self, nbytes: int) -> None:
+        """Allow launches with up to `nbytes` of dynamic shared memory (needed above 48 KiB)."""
+        if nbytes > self._max_dynamic_smem:
+            check(driver().cuFuncSetAttribute(self.function, _ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                              int(nbytes)),
+                  f"set_max_dynamic_smem({self.name}, {nbytes})")
+            self._max_dynamic_smem = int(nbytes)
+
+    def max_active_blocks_per_sm(self, threads: int, smem: int = 0) -> int:
+        blocks = self._occupancy.get((threads, smem))
+        if blocks is None:
+            value = c_int()
+            check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(byref(value), self.function,
+                                                                       threads, smem),
+                  f"occupancy of {self.name}")
+            blocks = self._occupancy[(threads, smem)] = value.value
+        return blocks
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name!r}, device={self.device_index})"
+
+
+class pushed_context:
+    """Make `context` current on this thread for a with-block (cuCtxPush/PopCurrent)."""
+
+    def __init__(self, context: int):
+        self.context = context
+
+    def __enter__(self):
+        check(driver().cuCtxPushCurrent_v2(self.context), "cuCtxPushCurrent")
+
+    def __exit__(self, *exc):
+        check(driver().cuCtxPopCurrent_v2(byref(c_void_p())), "cuCtxPopCurrent")

@@ -1,0 +1,388 @@
+"""Validation of every Buffer call's arguments, done before anything is launched or changed.
+
+Each failure raises TypeError (wrong Python type or dtype) or ValueError (anything else: shape,
+device, contiguity, range, flags that do not go together) with a message that names the call, the
+argument, what was expected and what was given. A rejected call leaves the Buffer untouched.
+
+Values inside tensors (topk_idx in [-1, E)) are checked only for CPU tensors: on a GPU the check
+would need a device-to-host synchronisation, which would break async overlap and CUDA graphs.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional, Tuple
+
+import torch
+
+from .config import Config
+from .event import EventOverlap
+
+TOPK_IDX_DTYPE = torch.int64      # epcomm.topk_idx_t
+MAX_TOPK = 32                     # normal-mode top-k bound
+FP8_BLOCK = 128                   # channels per FP8 scale
+UE8M0_PER_INT = 4                 # packed UE8M0 exponents per int32
+BF16, FP8, F32, I32, I64, BOOL = (torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32,
+                                  torch.int64, torch.bool)
+
+
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, tuple):
+        return " or ".join(map(str, dtype))
+    return str(dtype)
+
+
+class Call:
+    """Validation context of one call: converts DLPack inputs to torch (remembering the caller's
+    framework, so `output` can hand results back in it) and checks them against the Buffer's device
+    and rank count. Every message starts with the operation's name."""
+
+    __slots__ = ("op", "device", "num_ranks", "framework")
+
+    def __init__(self, op: str, device: torch.device, num_ranks: int) -> None:
+        self.op = op
+        self.device = device
+        self.num_ranks = num_ranks
+        self.framework = None
+
+    def error(self, name: str, message: str, exc=ValueError) -> Exception:
+        return exc(f"{self.op}: {name} {message}")
+
+    def require(self, condition: bool, message: str) -> None:
+        if not condition:
+            raise ValueError(f"{self.op}: {message}")
+
+    # ---- scalars -------------------------------------------------------------------------------
+    def integer(self, name: str, value, minimum: Optional[int] = None) -> int:
+        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+            raise self.error(name, f"must be an int, got {type(value).__name__} {value!r}", TypeError)
+        value = operator.index(value)
+        if minimum is not None and value < minimum:
+            raise self.error(name, f"must be >= {minimum}, got {value}")
+        return value
+
+    def flag(self, name: str, value) -> bool:
+        if isinstance(value, bool):
+            return value
+        if type(value).__name__ == "bool_" or (isinstance(value, int) and value in (0, 1)):
+            return bool(value)
+        raise self.error(name, f"must be a bool, got {type(value).__name__} {value!r}", TypeError)
+
+    def event(self, name: str, value) -> Optional[EventOverlap]:
+        if value is not None and not isinstance(value, EventOverlap):
+            raise self.error(name, f"must be None or an EventOverlap (from Buffer.capture() or a previous "
+                                   f"call), got {type(value).__name__}", TypeError)
+        return value
+
+    def config(self, name: str, value, default: Config) -> Config:
+        if value is None:
+            return default
+        if not isinstance(value, Config):
+            raise self.error(name, f"must be None or an epcomm.Config, got {type(value).__name__}", TypeError)
+        return value
+
+    def num_experts(self, name: str, value) -> int:
+        value = self.integer(name, value, minimum=1)
+        if value % self.num_ranks:
+            raise self.error(name, f"must be divisible by the number of ranks ({self.num_ranks}), got {value}")
+        return value
+
+    # ---- tensors -------------------------------------------------------------------------------
+    def as_tensor(self, name: str, value) -> torch.Tensor:
+        """`value` as a torch tensor: torch tensors as they are, DLPack producers (CuPy) zero-copy.
+        The first tensor argument converted decides the framework of the outputs."""
+        if isinstance(value, torch.Tensor):
+            if self.framework is None:
+                self.framework = "torch"
+            return value
+        if not hasattr(value, "__dlpack__"):
+            raise self.error(name, f"must be a torch.Tensor or a DLPack array, got {type(value).__name__}",
+                             TypeError)
+        from .runtime.dlpack import to_torch
+        tensor, framework = to_torch(value)
+        if self.framework is None:
+            self.framework = framework
+        return tensor
+
+    def tensor(self, name: str, value, dtype, shape: Tuple[Optional[int], ...], dims: str,
+               contiguous: bool = True) -> torch.Tensor:
+        """Check `value` is a tensor of `dtype` (or one of a tuple of dtypes) on the Buffer's device,
+        with len(shape) dims, each equal to shape[i] unless None (`dims` names them), contiguous."""
+        if value is None:
+            raise self.error(name, f"must be a {_dtype_name(dtype)} tensor {dims}, got None", TypeError)
+        t = self.as_tensor(name, value)
+        if t.dtype != dtype and not (isinstance(dtype, tuple) and t.dtype in dtype):
+            raise self.error(name, f"must have dtype {_dtype_name(dtype)}, got {t.dtype}", TypeError)
+        if t.device != self.device:
+            raise self.error(name, f"must be on the Buffer's device {self.device}, got {t.device}")
+        actual = tuple(t.shape)
+        if len(actual) != len(shape) or any(want is not None and want != got for want, got in zip(shape, actual)):
+            expected = ", ".join("*" if s is None else str(s) for s in shape)
+            raise self.error(name, f"must have shape {dims} = [{expected}], got {list(actual)}")
+        if contiguous and not t.is_contiguous():
+            raise self.error(name, f"must be contiguous, got strides {t.stride()} for shape {list(actual)}")
+        return t
+
+    def optional_tensor(self, name, value, dtype, shape, dims, contiguous=True) -> Optional[torch.Tensor]:
+        return None if value is None else self.tensor(name, value, dtype, shape, dims, contiguous)
+
+    def topk(self, name: str, t: torch.Tensor) -> int:
+        k = t.shape[1]
+        if not 1 <= k <= MAX_TOPK:
+            raise self.error(name, f"must have 1 to {MAX_TOPK} columns (num_topk), got {k}")
+        return k
+
+    def values_in(self, name: str, t: torch.Tensor, low: int, high: int) -> None:
+        """Every value of `t` lies in [low, high) (checked for CPU tensors only, see module doc)."""
+        if t.device.type != "cpu" or t.numel() == 0:
+            return
+        lo, hi = int(t.min()), int(t.max())
+        if lo < low or hi >= high:
+            raise self.error(name, f"values must lie in [{low}, {high}), got values in [{lo}, {hi}]")
+
+    def handle_element(self, value):
+        """A handle element: tensors (or DLPack arrays) converted to torch; other values as they are."""
+        if isinstance(value, torch.Tensor) or not hasattr(value, "__dlpack__"):
+            return value
+        return self.as_tensor("handle", value)
+
+    # ---- outputs -------------------------------------------------------------------------------
+    def output(self, value):
+        """`value` (a tensor, tuple / list of them, or anything else) in the caller's framework."""
+        if self.framework in (None, "torch"):
+            return value
+        if isinstance(value, torch.Tensor):
+            from .runtime.dlpack import from_torch
+            return from_torch(value, self.framework)
+        if isinstance(value, (tuple, list)):
+            return type(value)(self.output(v) for v in value)
+        return value
+
+
+# ---- normal mode -------------------------------------------------------------------------------
+def stream_args(c: Call, previous_event, async_finish, allocate_on_comm_stream):
+    previous_event = c.event("previous_event", previous_event)
+    async_finish = c.flag("async_finish", async_finish)
+    allocate_on_comm_stream = c.flag("allocate_on_comm_stream", allocate_on_comm_stream)
+    if allocate_on_comm_stream and (previous_event is None or not async_finish):
+        raise c.error("allocate_on_comm_stream=True", f"needs previous_event and async_finish=True, got "
+                                                      f"previous_event={previous_event!r}, async_finish={async_finish}")
+    return previous_event, async_finish, allocate_on_comm_stream
+
+
+def layout_args(c: Call, topk_idx, num_experts) -> Tuple[torch.Tensor, int]:
+    num_experts = c.num_experts("num_experts", num_experts)
+    topk_idx = c.tensor("topk_idx", topk_idx, TOPK_IDX_DTYPE, (None, None), "[num_tokens, num_topk]")
+    c.topk("topk_idx", topk_idx)
+    c.values_in("topk_idx", topk_idx, -1, num_experts)
+    return topk_idx, num_experts
+
+
+def dispatch_x(c: Call, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """x: BF16 [N, H] with H * 2 % 16 == 0, or (FP8 e4m3 [N, H], float32 scales [N, H / 128])."""
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise c.error("x", f"as a tuple must be (x_fp8, x_scales), got {len(x)} elements", TypeError)
+        data = c.tensor("x[0]", x[0], FP8, (None, None), "[num_tokens, hidden]")
+        n, hidden = data.shape
+        if hidden == 0 or hidden % FP8_BLOCK:
+            raise c.error("x[0]", f"hidden size must be a positive multiple of {FP8_BLOCK} for FP8, got {hidden}")
+        # Scales may have any strides (e.g. a column-major slice), as in DeepEP.
+        scales = c.tensor("x[1]", x[1], F32, (n, hidden // FP8_BLOCK), "[num_tokens, hidden / 128]",
+                          contiguous=False)
+        return data, scales
+    if isinstance(x, torch.Tensor) and x.dtype != BF16:
+        raise c.error("x", f"must be a torch.bfloat16 tensor or a tuple (float8_e4m3fn tensor, float32 "
+                           f"scales), got a {x.dtype} tensor", TypeError)
+    data = c.tensor("x", x, BF16, (None, None), "[num_tokens, hidden]")
+    hidden = data.shape[1]
+    if hidden == 0 or hidden % 8:
+        raise c.error("x", f"hidden size must be a positive multiple of 8 (16-byte rows), got {hidden}")
+    return data, None
+
+
+def normal_handle(c: Call, handle, internode: bool) -> tuple:
+    """The intranode 6-tuple or internode 10-tuple of dispatch, with the elements the contract fixes
+    checked (the other elements belong to the mode's ops module)."""
+    mode, length = ("an internode", 10) if internode else ("an intranode", 6)
+    if not isinstance(handle, (tuple, list)):
+        raise c.error("handle", f"must be the tuple returned by dispatch, got {type(handle).__name__}", TypeError)
+    if len(handle) != length:
+        raise c.error("handle", f"must be the {length}-tuple {mode} dispatch returns, got {len(handle)} elements")
+    items = tuple(c.handle_element(v) for v in handle)
+    r = c.num_ranks
+    if internode:
+        c.tensor("handle[6] (recv_gbl_rank_prefix_sum)", items[6], I32, (r,), "[num_ranks]")
+    else:
+        c.tensor("handle[0] (rank_prefix_matrix)", items[0], I32, (r, r), "[num_ranks, num_ranks]")
+        c.tensor("handle[3] (recv_src_idx)", items[3], I32, (None,), "[num_recv_tokens]")
+        c.tensor("handle[4] (is_token_in_rank)", items[4], BOOL, (None, r), "[num_tokens, num_ranks]")
+    return items
+
+
+def dispatch_args(c: Call, internode: bool, num_local_ranks: int, x, handle, num_tokens_per_rank,
+                  num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                  expert_alignment, num_worst_tokens) -> tuple:
+    """-> the arguments of Backend.dispatch before config, normalised."""
+    r = c.num_ranks
+    x, x_scales = dispatch_x(c, x)
+    n = x.shape[0]
+    expert_alignment = c.integer("expert_alignment", expert_alignment, minimum=1)
+    num_worst_tokens = c.integer("num_worst_tokens", num_worst_tokens, minimum=0)
+    if handle is not None:
+        if topk_idx is not None or topk_weights is not None:
+            raise c.error("topk_idx", "and topk_weights must be None when a cached handle is given (the "
+                                      "handle fixes the routing)")
+        handle = normal_handle(c, handle, internode)
+        if not internode and handle[4].shape[0] != n:
+            raise c.error("x", f"must have as many rows as the handle's is_token_in_rank "
+                               f"({handle[4].shape[0]}), got {n}")
+        return (x, x_scales, handle, None, None, None, None, None, None, expert_alignment, num_worst_tokens)
+
+    required = [("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                ("num_tokens_per_expert", num_tokens_per_expert)]
+    if internode:
+        required.append(("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank))
+    missing = [name for name, value in required if value is None]
+    if missing:
+        raise ValueError(f"{c.op}: {', '.join(missing)} must be given when handle is None "
+                         f"(get them from Buffer.get_dispatch_layout)")
+    num_tokens_per_rank = c.tensor("num_tokens_per_rank", num_tokens_per_rank, I32, (r,), "[num_ranks]")
+    if internode:
+        num_tokens_per_rdma_rank = c.tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, I32,
+                                            (r // num_local_ranks,), "[num_rdma_ranks]")
+    else:
+        num_tokens_per_rdma_rank = None   # unused intranode, as in DeepEP
+    is_token_in_rank = c.tensor("is_token_in_rank", is_token_in_rank, BOOL, (n, r), "[num_tokens, num_ranks]")
+    num_tokens_per_expert = c.tensor("num_tokens_per_expert", num_tokens_per_expert, I32, (None,),
+                                     "[num_experts]")
+    num_experts = c.num_experts("num_tokens_per_expert.shape[0] (num_experts)", num_tokens_per_expert.shape[0])
+
+    if (topk_idx is None) != (topk_weights is None):
+        raise c.error("topk_idx", f"and topk_weights must be given together, got topk_idx "
+                                  f"{'None' if topk_idx is None else 'set'} and topk_weights "
+                                  f"{'None' if topk_weights is None else 'set'}")
+    if topk_idx is not None:
+        topk_idx = c.tensor("topk_idx", topk_idx, TOPK_IDX_DTYPE, (n, None), "[num_tokens, num_topk]")
+        k = c.topk("topk_idx", topk_idx)
+        topk_weights = c.tensor("topk_weights", topk_weights, F32, (n, k), "[num_tokens, num_topk]")
+        c.values_in("topk_idx", topk_idx, -1, num_experts)
+    elif num_worst_tokens > 0:
+        raise c.error("num_worst_tokens > 0", "needs topk_idx and topk_weights")
+    return (x, x_scales, None, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens)
+
+
+def combine_args(c: Call, internode: bool, x, handle, topk_weights, bias) -> tuple:
+    """-> (x, handle, topk_weights, (bias_0, bias_1)), the arguments of Backend.combine before config."""
+    x = c.as_tensor("x", x)   # first, so x decides the framework of the outputs
+    handle = normal_handle(c, handle, internode)
+    num_recv = None if internode else handle[3].shape[0]
+    num_tokens = None if internode else handle[4].shape[0]
+    x = c.tensor("x", x, BF16, (num_recv, None), "[num_recv_tokens of the handle, hidden]")
+    hidden = x.shape[1]
+    if hidden == 0 or hidden % 8:
+        raise c.error("x", f"hidden size must be a positive multiple of 8 (16-byte rows), got {hidden}")
+    if topk_weights is not None:
+        topk_weights = c.tensor("topk_weights", topk_weights, F32, (x.shape[0], None),
+                                "[num_recv_tokens, num_topk]")
+        c.topk("topk_weights", topk_weights)
+    if bias is None or isinstance(bias, torch.Tensor) or hasattr(bias, "__dlpack__"):
+        biases, names = (bias, None), ("bias", "bias")
+    elif isinstance(bias, (tuple, list)) and len(bias) == 2:
+        biases, names = tuple(bias), ("bias[0]", "bias[1]")
+    else:
+        raise c.error("bias", f"must be None, a tensor or a 2-tuple of tensors, got {type(bias).__name__}",
+                      TypeError)
+    biases = tuple(c.optional_tensor(name, b, BF16, (num_tokens, hidden), "[num_tokens, hidden]")
+                   for name, b in zip(names, biases))
+    return x, handle, topk_weights, biases
+
+
+# ---- low-latency mode --------------------------------------------------------------------------
+def exclusive_hook(c: Call, async_finish, return_recv_hook) -> Tuple[bool, bool]:
+    async_finish = c.flag("async_finish", async_finish)
+    return_recv_hook = c.flag("return_recv_hook", return_recv_hook)
+    if async_finish and return_recv_hook:
+        raise c.error("return_recv_hook=True", "cannot be combined with async_finish=True (the hook is "
+                                          "how the receive is completed)")
+    return async_finish, return_recv_hook
+
+
+def ll_shape(c: Call, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> Tuple[int, int, int]:
+    """(T, H, E) of a low-latency call, as clean_low_latency_buffer and handles carry them."""
+    t = c.integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+    h = c.integer("hidden", hidden, minimum=1)
+    if h % 8:
+        raise c.error("hidden", f"must be a multiple of 8, got {h}")
+    return t, h, c.num_experts("num_experts", num_experts)
+
+
+def ll_dispatch_args(c: Call, max_topk: int, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                     cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                     use_ue8m0) -> tuple:
+    """-> the arguments of Backend.low_latency_dispatch before return_recv_hook, normalised."""
+    r = c.num_ranks
+    t = c.integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+    e = c.num_experts("num_experts", num_experts)
+    use_fp8, round_scale, use_ue8m0 = (c.flag("use_fp8", use_fp8), c.flag("round_scale", round_scale),
+                                       c.flag("use_ue8m0", use_ue8m0))
+    x = c.tensor("x", x, BF16, (None, None), "[num_tokens, hidden]")
+    n, hidden = x.shape
+    if n > t:
+        raise c.error("x", f"must have at most num_max_dispatch_tokens_per_rank ({t}) rows, got {n}")
+    multiple = 8
+    if use_fp8:
+        multiple = FP8_BLOCK * UE8M0_PER_INT if use_ue8m0 else FP8_BLOCK
+        if use_ue8m0 and not round_scale:
+            raise c.error("use_ue8m0=True", "needs round_scale=True (UE8M0 stores power-of-two scales)")
+    if hidden == 0 or hidden % multiple:
+        what = "UE8M0 scales" if use_fp8 and use_ue8m0 else "FP8" if use_fp8 else "BF16"
+        raise c.error("x", f"hidden size must be a positive multiple of {multiple} with {what}, got {hidden}")
+    topk_idx = c.tensor("topk_idx", topk_idx, TOPK_IDX_DTYPE, (n, None), "[num_tokens, num_topk]")
+    k = topk_idx.shape[1]
+    if not 1 <= k <= max_topk:
+        raise c.error("topk_idx", f"must have 1 to {max_topk} columns (num_topk) in low-latency mode, got {k}")
+    c.values_in("topk_idx", topk_idx, -1, e)
+    cumulative = c.optional_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                                   I32, (e // r,), "[num_local_experts]")
+    wait_stats = c.optional_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, I64, (r,),
+                                   "[num_ranks]")
+    return x, topk_idx, t, e, cumulative, wait_stats, use_fp8, round_scale, use_ue8m0
+
+
+def ll_handle(c: Call, handle) -> tuple:
+    """(src_info [E_l, R*T] int32, layout_range [E_l, R] int64, T, H, E) of low_latency_dispatch."""
+    if not isinstance(handle, (tuple, list)) or len(handle) != 5:
+        got = f"{len(handle)} elements" if isinstance(handle, (tuple, list)) else type(handle).__name__
+        raise c.error("handle", f"must be the 5-tuple (src_info, layout_range, num_max_dispatch_tokens_per_rank, "
+                                f"hidden, num_experts) low_latency_dispatch returns, got {got}", TypeError)
+    t, h, e = ll_shape(c, handle[2], handle[3], handle[4])
+    r = c.num_ranks
+    src_info = c.tensor("handle[0] (src_info)", handle[0], I32, (e // r, r * t),
+                        "[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank]")
+    layout_range = c.tensor("handle[1] (layout_range)", handle[1], I64, (e // r, r), "[num_local_experts, num_ranks]")
+    return src_info, layout_range, t, h, e
+
+
+def ll_combine_args(c: Call, max_topk: int, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
+                    combine_wait_recv_cost_stats) -> tuple:
+    """-> (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, wait_stats), normalised."""
+    x = c.as_tensor("x", x)   # first, so x decides the framework of the outputs
+    handle = ll_handle(c, handle)
+    _, _, t, hidden, e = handle
+    r = c.num_ranks
+    x = c.tensor("x", x, BF16, (e // r, r * t, hidden),
+                 "[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden of the handle]")
+    topk_idx = c.tensor("topk_idx", topk_idx, TOPK_IDX_DTYPE, (None, None), "[num_tokens, num_topk]")
+    n, k = topk_idx.shape
+    if n > t:
+        raise c.error("topk_idx", f"must have at most num_max_dispatch_tokens_per_rank ({t}) rows, got {n}")
+    if not 1 <= k <= max_topk:
+        raise c.error("topk_idx", f"must have 1 to {max_topk} columns (num_topk) in low-latency mode, got {k}")
+    c.values_in("topk_idx", topk_idx, -1, e)
+    topk_weights = c.tensor("topk_weights", topk_weights, F32, (n, k), "[num_tokens, num_topk]")
+    out = c.optional_tensor("out", out, BF16, (n, hidden), "[num_tokens, hidden]")
+    wait_stats = c.optional_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, I64, (r,),
+                                   "[num_ranks]")
+    return (x, topk_idx, topk_weights, handle, c.flag("use_logfmt", use_logfmt), c.flag("zero_copy", zero_copy),
+            out, wait_stats)

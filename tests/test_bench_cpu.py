@@ -1,0 +1,35 @@
+"""`python -m bench` without GPUs: the CPU reference backend on 2 gloo processes must pass its round
+trip checks, exit 0, say that it ran the CPU backend, and write a complete JSON report."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_cpu_round_trip(tmp_path):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, EPCOMM_BACKEND="cpu",
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--out", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    log = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert proc.returncode == 0, log
+    assert "ran the CPU reference backend" in proc.stdout, log
+
+    report = json.loads(out.read_text())
+    assert report["complete"] and report["mode"] == "cpu" and report["world_size"] == 2
+    assert report["versions"]["torch"] and report["machine"]["hostname"]
+    by_name = {r["name"]: r for r in report["results"]}
+    expected = {"CPU layout", "CPU dispatch bf16", "CPU dispatch bf16 (cached handle)",
+                "CPU combine bf16", "CPU low-latency dispatch bf16", "CPU low-latency dispatch fp8",
+                "CPU low-latency combine bf16"}
+    assert expected <= set(by_name), sorted(by_name)
+    for name in expected:
+        result = by_name[name]
+        assert result["status"] == "ok", (name, result["status"])
+        assert len(result["per_rank"]) == 2 and all(r["us"] > 0 for r in result["per_rank"]), result
+        assert result["us"]["min"] <= result["us"]["avg"] <= result["us"]["max"]

@@ -1,0 +1,168 @@
+"""The cubin cache: memo, disk entries, keys, corruption, concurrent writers, debug dumps."""
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import shutil
+
+import pytest
+
+from epcomm.errors import CompileError
+from epcomm.runtime import cache, compiler
+from epcomm.runtime.compiler import KernelSource
+
+PROBE = r"""
+#include "common/arch.cuh"
+namespace epcomm {
+template <int N, class T>
+__global__ void fill(T *out) { out[threadIdx.x] = static_cast<T>(N + kFeature); }
+}
+"""
+SRC = KernelSource("probe.cu", ("epcomm::fill<3, int>", "epcomm::fill<4, float>"))
+
+
+def make_tree(path, edit_header: bool = False) -> str:
+    """A copy of cuda_src/ plus the probe source; optionally with an edited common header."""
+    root = path / "cuda_src"
+    shutil.copytree(compiler.cuda_src_dir(), root)
+    (root / "probe.cu").write_text(PROBE)
+    if edit_header:
+        with open(root / "common" / "ptx.cuh", "a") as f:
+            f.write("\n// an edit that changes no code still invalidates\n")
+    return str(root)
+
+
+@pytest.fixture
+def tree(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPCOMM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("EPCOMM_ASSERT_NO_COMPILE", raising=False)
+    monkeypatch.delenv("EPCOMM_JIT_DUMP", raising=False)
+    cache.clear_memo()
+    with compiler.cuda_src_override(make_tree(tmp_path)) as root:
+        yield root
+    cache.clear_memo()
+
+
+def entry_of(src=SRC, arch_sm=90, feature=90):
+    plan = compiler.plan_build(src, arch_sm, feature)
+    key = cache.cache_key(plan)
+    return cache.entry_path(plan, key), key
+
+
+def test_hit_after_miss_keeps_lowered_names(tree, monkeypatch):
+    first = cache.get_cubin(SRC, 90, 90)
+    assert not first.from_cache and first.nvrtc_s > 0
+    assert set(first.lowered) == set(SRC.kernels)
+    assert cache.get_cubin(SRC, 90, 90) is first            # in-process memo
+    cache.clear_memo()
+    monkeypatch.setenv("EPCOMM_ASSERT_NO_COMPILE", "1")     # a compile now would raise
+    again = cache.get_cubin(SRC, 90, 90)
+    assert again.from_cache
+    assert again.cubin == first.cubin and again.lowered == first.lowered
+
+
+def test_assert_no_compile_raises_on_a_miss(tree, monkeypatch):
+    monkeypatch.setenv("EPCOMM_ASSERT_NO_COMPILE", "1")
+    with pytest.raises(CompileError, match="EPCOMM_ASSERT_NO_COMPILE"):
+        cache.get_cubin(SRC, 90, 90)
+
+
+def test_key_covers_target_and_feature(tree):
+    keys = {entry_of(SRC, a, f)[1] for a, f in [(90, 90), (90, 80), (80, 80)]}
+    keys.add(entry_of(KernelSource("probe.cu", ("epcomm::fill<3, int>",)))[1])
+    keys.add(entry_of(KernelSource("probe.cu", SRC.kernels, defines=(("X", 1),)))[1])
+    assert len(keys) == 5
+
+
+def test_header_edit_changes_the_key_and_copies_share_it(tmp_path, tree):
+    key = entry_of()[1]
+    with compiler.cuda_src_override(make_tree(tmp_path / "same")):
+        assert entry_of()[1] == key, "an identical copy elsewhere must share entries"
+    with compiler.cuda_src_override(make_tree(tmp_path / "edited", edit_header=True)):
+        assert entry_of()[1] != key, "editing common/ptx.cuh must invalidate"
+
+
+def test_corrupt_or_torn_entry_is_a_miss_and_is_replaced(tree):
+    built = cache.get_cubin(SRC, 90, 90)
+    path, key = entry_of()
+    good = path.read_bytes()
+    for bad in (good[: len(good) // 2],                                  # torn write
+                good[:100] + bytes([good[100] ^ 0xFF]) + good[101:],     # flipped byte
+                b""):
+        path.write_bytes(bad)
+        assert cache.read_entry(path, key) is None
+    cache.clear_memo()
+    rebuilt = cache.get_cubin(SRC, 90, 90)
+    assert not rebuilt.from_cache and rebuilt.lowered == built.lowered
+    assert cache.read_entry(path, key) is not None                       # replaced by a good one
+
+
+def test_entry_for_another_key_is_a_miss(tree):
+    cache.get_cubin(SRC, 90, 90)
+    path, key = entry_of()
+    assert cache.read_entry(path, "0" * 64) is None
+    assert cache.read_entry(path, key) is not None
+
+
+def _build_in_child(root, cache_dir, barrier, results):
+    import os
+    os.environ["EPCOMM_CACHE_DIR"] = cache_dir
+    from epcomm.runtime import cache as child_cache, compiler as child_compiler
+    with child_compiler.cuda_src_override(root):
+        barrier.wait()
+        built = child_cache.get_cubin(SRC, 90, 90)
+    results.put((built.from_cache, hashlib.sha256(built.cubin).hexdigest()))
+
+
+def test_concurrent_processes_leave_one_valid_entry(tmp_path, tree):
+    ctx = multiprocessing.get_context("spawn")
+    n = 4
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_build_in_child,
+                         args=(tree, str(tmp_path / "cache"), barrier, results)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert len({digest for _, digest in outcomes}) == 1, "every rank must load the same cubin"
+    assert sum(not hit for hit, _ in outcomes) == 1, "the per-key lock lets one process compile"
+    path, key = entry_of()
+    assert cache.read_entry(path, key) is not None
+    assert not list(path.parent.glob("*.tmp")), "no temp files left behind"
+
+
+def _write_in_child(path, key, seed, rounds):
+    from pathlib import Path
+    from epcomm.runtime import cache as child_cache
+    from epcomm.runtime.compiler import CompiledCubin
+    for i in range(rounds):
+        blob = bytes([seed]) * (50_000 + 997 * i)
+        child_cache.write_entry(Path(path), key, CompiledCubin(blob, {"k": f"w{seed}"}))
+
+
+def test_racing_writers_never_leave_a_torn_entry(tmp_path):
+    path, key = tmp_path / "entry.bin", "k" * 64
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_write_in_child, args=(str(path), key, seed, 30)) for seed in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    entry = cache.read_entry(path, key)
+    assert entry is not None and len(set(entry.cubin)) == 1
+    assert entry.lowered == {"k": f"w{entry.cubin[0]}"}
+
+
+def test_dump_and_verbose(tree, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("EPCOMM_JIT_DUMP", str(tmp_path / "dump"))
+    monkeypatch.setenv("EPCOMM_JIT_VERBOSE", "1")
+    cache.get_cubin(SRC, 90, 90)
+    (dump,) = (tmp_path / "dump").iterdir()
+    names = {p.name for p in dump.iterdir()}
+    assert {"probe_unit.cu", "kernel.cubin", "kernel.ptx"} <= names, names
+    assert ".entry" in (dump / "kernel.ptx").read_text()
+    err = capsys.readouterr().err
+    assert "NVRTC probe.cu" in err and "nvJitLink probe.cu" in err and "-arch=compute_90" in err
