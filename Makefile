@@ -29,6 +29,7 @@ test-gpu:
 	  -m pytest -q -rs -m gpu -p no:cacheprovider tests
 
 bench:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(MAKE) deps
 	$(GPU_ENV) $(PYTHON) -m bench
 
 clean:

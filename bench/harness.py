@@ -229,12 +229,12 @@ class BenchContext:
     helpers: time_us / time_stats / kernel_time_us, check, buffer, inputs, progress."""
 
     def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device, group,
-                 object_group, quick: bool, progress: Optional[Callable[[str], None]] = None):
+                 object_group, quick: bool):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device, self.group, self.object_group = device, group, object_group
         self.quick = quick
         self.results: Dict[str, dict] = {}
-        self._progress = progress
+        self.on_progress: Optional[Callable[[str], None]] = None   # set by the runner on rank 0
         self._buffer = None
         self._buffer_key: Optional[tuple] = None
         self._align_tensor = torch.zeros(1, device=device) if device.type == "cuda" else None
@@ -258,18 +258,23 @@ class BenchContext:
 
     def progress(self, message: str) -> None:
         """Show what the case is doing now (next to the progress bar, rank 0 only)."""
-        if self._progress is not None:
-            self._progress(message)
+        if self.on_progress is not None:
+            self.on_progress(message)
 
     def barrier(self) -> None:
         import torch.distributed as dist
         dist.barrier(group=self.object_group)
 
     def align(self) -> None:
-        """Line the ranks' GPU streams up: a one-element all-reduce on the current stream."""
+        """Line the ranks up before a timed collective call: on GPUs a one-element all-reduce on the
+        current stream (the host does not wait), on the CPU a barrier."""
         import torch.distributed as dist
-        if self._align_tensor is not None and self.world_size > 1:
+        if self.world_size == 1:
+            return
+        if self._align_tensor is not None:
             dist.all_reduce(self._align_tensor, group=self.group)
+        else:
+            dist.barrier(group=self.object_group)
 
     def check(self, ok: bool, what: str) -> None:
         """Collective check: raises CheckFailed on every rank if `ok` is false on any rank, so all

@@ -20,7 +20,7 @@ STATUS_ORDER = ("ok", "skipped", "not implemented", "error")
 METRICS = ("us", "logical_gbps", "nvlink_gbps")
 
 
-def _status_kind(status: str) -> str:
+def status_kind(status: str) -> str:
     for kind in reversed(STATUS_ORDER):
         if status.startswith(kind):
             return kind
@@ -32,6 +32,16 @@ def _spread(values: List[Optional[float]]) -> Optional[Dict[str, float]]:
     if not values:
         return None
     return {"min": min(values), "avg": sum(values) / len(values), "max": max(values)}
+
+
+def _rank_entry(record: Record, first: Record) -> dict:
+    """A rank's own figures; its setting only where it differs from the first rank's (e.g. the
+    number of rows it received)."""
+    entry = {k: v for k, v in asdict(record).items()
+             if k not in ("name", "module", "setting", "baseline", "target")}
+    if record.setting != first.setting:
+        entry["setting"] = record.setting
+    return entry
 
 
 def merge(per_rank: List[List[Record]]) -> List[dict]:
@@ -50,15 +60,12 @@ def merge(per_rank: List[List[Record]]) -> List[dict]:
         records = by_name[name]
         present = [r for r in records if r is not None]
         first = present[0]
-        worst = max(present, key=lambda r: STATUS_ORDER.index(_status_kind(r.status)))
+        worst = max(present, key=lambda r: STATUS_ORDER.index(status_kind(r.status)))
         result = {
             "name": name, "module": first.module, "status": worst.status,
             "setting": first.setting, "sms": first.sms, "baseline": first.baseline,
             "target": list(first.target) if first.target else None,
-            "per_rank": [None if r is None else {k: v for k, v in asdict(r).items()
-                                                  if k not in ("name", "module", "setting", "baseline",
-                                                               "target")}
-                         for r in records],
+            "per_rank": [None if r is None else _rank_entry(r, first) for r in records],
         }
         for metric in METRICS:
             result[metric] = _spread([getattr(r, metric) for r in present])
@@ -79,7 +86,7 @@ def ratios(results: List[dict], copy_p2p_name: Optional[str]) -> Dict[str, dict]
     p2p = _avg(by_name.get(copy_p2p_name), "nvlink_gbps") if copy_p2p_name else None
     out: Dict[str, dict] = {}
     for result in results:
-        if _status_kind(result["status"]) != "ok":
+        if status_kind(result["status"]) != "ok":
             continue
         entry: Dict[str, object] = {}
         us = _avg(result, "us")
@@ -189,7 +196,7 @@ def _dist_version(*names: str) -> Optional[str]:
 def versions() -> dict:
     import torch
     out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-           "epcomm": None, "nccl": None, "nvrtc": None, "nvshmem": None,
+           "epcomm": None, "nccl": None,
            "cuda_bindings": _dist_version("cuda-bindings", "cuda-python")}
     try:
         import epcomm
@@ -202,13 +209,20 @@ def versions() -> dict:
             out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
         except Exception:
             pass
-    try:
-        from cuda.bindings import nvrtc
-        _, major, minor = nvrtc.nvrtcVersion()
-        out["nvrtc"] = f"{major}.{minor}"
-    except Exception:
-        pass
-    out["nvshmem"] = _dist_version("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12")
+    # What epcomm's own toolchain lookup finds (the pieces it compiles and links with), else the
+    # installed wheels' versions.
+    probes = {"nvrtc": "toolchain.nvrtc_version", "nvjitlink": "toolchain.nvjitlink_version",
+              "nvshmem": "toolchain.nvshmem_version", "nvshmem_host_library": "nvshmem.library_version"}
+    for key, path in probes.items():
+        module_name, function = path.split(".")
+        try:
+            module = __import__(f"epcomm.runtime.{module_name}", fromlist=[function])
+            value = getattr(module, function)()
+            out[key] = ".".join(map(str, value)) if value else None
+        except Exception as exc:
+            out[key] = f"unavailable: {type(exc).__name__}: {exc}"[:200]
+    if not out["nvshmem"] or str(out["nvshmem"]).startswith("unavailable"):
+        out["nvshmem"] = _dist_version("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12") or out["nvshmem"]
     return out
 
 

@@ -8,7 +8,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -38,15 +38,18 @@ class Options:
 
 
 class Progress:
-    """tqdm when installed, else one text line per finished case (stderr)."""
+    """tqdm on a terminal when installed; else (no tqdm, or output to a log) a text bar, one line per
+    finished case (stderr)."""
 
     def __init__(self, total: int):
-        self.total, self.done = total, 0
-        try:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc="bench", unit="case", file=sys.stderr, dynamic_ncols=True)
-        except ImportError:
-            self.bar = None
+        self.total, self.done, self.bar = total, 0, None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, desc="bench", unit="case", file=sys.stderr,
+                                dynamic_ncols=True)
+            except ImportError:
+                pass
 
     def note(self, message: str) -> None:
         if self.bar is not None:
@@ -178,7 +181,7 @@ def rank_main(rank: int, world_size: int, port: int, opts: Options) -> None:
     plan: List[Tuple[str, Case]] = [(m, c) for m in opts.modules for c in _module_cases(m, ctx)]
     if rank == 0:
         progress = Progress(len(plan))
-        ctx._progress = progress.note
+        ctx.on_progress = progress.note
         info = report.machine_info(opts.mode == "gpu")
         out = opts.out or report.default_out_path(opts.root, info, opts.started)
         document = {"schema": 1, "complete": False, "date": opts.started.isoformat(),
@@ -217,7 +220,7 @@ def _finish(document: dict, out: str, opts: Options) -> int:
     p2p = next((r["name"] for r in results if r["name"].startswith("P2P copy")), None)
     document["ratios"] = report.ratios(results, p2p)
     document["versions"] = report.versions()   # again: epcomm loaded its toolchain meanwhile
-    kinds = [report._status_kind(r["status"]) for r in results]
+    kinds = [report.status_kind(r["status"]) for r in results]
     document["summary"] = {k: kinds.count(k) for k in report.STATUS_ORDER}
     document["complete"] = True
     report.write_json(out, document)
@@ -225,7 +228,7 @@ def _finish(document: dict, out: str, opts: Options) -> int:
     if opts.mode == "cpu":
         print(f"{opts.cpu_reason}: {CPU_BANNER}")
     print(report.format_table(results, document["ratios"]))
-    problems = [r for r in results if report._status_kind(r["status"]) == "error"]
+    problems = [r for r in results if report.status_kind(r["status"]) == "error"]
     if problems:
         print("\nerrors (tracebacks in the JSON, per rank):")
         for r in problems:

@@ -9,13 +9,13 @@ import torch
 import torch.distributed as dist
 
 from . import env, validate
-from .config import COMBINE_CHUNKS, DISPATCH_CHUNKS, Config, recommended
+from .config import (BUFFER_ALIGNMENT_BYTES, COMBINE_CHUNKS, DISPATCH_CHUNKS, Config, align_buffer_bytes,
+                     recommended)
 from .errors import BufferUnusable
 from .event import EventOverlap
 from .streams import CommStreamScope, new_comm_stream
 from .validate import Call
 
-NUM_BUFFER_ALIGNMENT_BYTES = 128
 Tensor = torch.Tensor
 FP8Pair = Tuple[torch.Tensor, torch.Tensor]
 
@@ -105,8 +105,8 @@ class Buffer:
         sizes = {}
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             sizes[name] = c.integer(name, value, minimum=0)
-            if sizes[name] % NUM_BUFFER_ALIGNMENT_BYTES:
-                raise c.error(name, f"must be a multiple of {NUM_BUFFER_ALIGNMENT_BYTES}, got {sizes[name]}")
+            if sizes[name] % BUFFER_ALIGNMENT_BYTES:
+                raise c.error(name, f"must be a multiple of {BUFFER_ALIGNMENT_BYTES}, got {sizes[name]}")
         low_latency_mode = c.flag("low_latency_mode", low_latency_mode)
         if low_latency_mode and sizes["num_rdma_bytes"] == 0:
             raise c.error("num_rdma_bytes", "must be > 0 with low_latency_mode=True (see "
@@ -208,12 +208,13 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """Bytes of num_rdma_bytes low-latency calls need for (T, H, R, E) (sized for BF16)."""
+        """Bytes of num_rdma_bytes low-latency calls need for (T, H, R, E) (sized for BF16), a multiple
+        of 128 so that it can be passed to Buffer as it is."""
         c = Call("Buffer.get_low_latency_rdma_size_hint", torch.device("cpu"), 1)
         c.num_ranks = c.integer("num_ranks", num_ranks, minimum=1)
         t, h, e = validate.ll_shape(c, num_max_dispatch_tokens_per_rank, hidden, num_experts)
         from .ops import low_latency
-        return int(low_latency.rdma_size_hint(t, h, c.num_ranks, e))
+        return align_buffer_bytes(int(low_latency.rdma_size_hint(t, h, c.num_ranks, e)))
 
     # ---- buffer memory and lifetime ------------------------------------------------------------
     def get_comm_stream(self) -> Optional[torch.cuda.Stream]:

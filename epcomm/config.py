@@ -14,6 +14,7 @@ from typing import Dict, Tuple
 # DeepEP's convention: a hint for more ranks than this assumes ranks spread over several NVLink
 # domains (internode mode); up to this many, the RDMA buffer is not used by normal-mode calls.
 NVLINK_DOMAIN_RANKS = 8
+BUFFER_ALIGNMENT_BYTES = 128   # Buffer sizes are multiples of this
 
 # Recommended chunk sizes per rank count: (nvl send, nvl recv, rdma send, rdma recv) in tokens.
 # A rank count absent from a table takes the entry of the next larger count listed (the largest
@@ -40,6 +41,11 @@ COMBINE_CHUNKS: Dict[int, Tuple[int, int, int, int]] = {
     128: (1, 560, 8, 128),
     160: (2, 720, 8, 128),
 }
+
+
+def align_buffer_bytes(nbytes: int) -> int:
+    """Round a hint up to a valid Buffer size (a multiple of 128 bytes, as DeepEP's hints are)."""
+    return -(-nbytes // BUFFER_ALIGNMENT_BYTES) * BUFFER_ALIGNMENT_BYTES
 
 
 def _positive_int(owner: str, name: str, value) -> int:
@@ -99,7 +105,7 @@ class Config:
         hidden_bytes = _positive_int("Config.get_nvl_buffer_size_hint", "hidden_bytes", hidden_bytes)
         num_ranks = _positive_int("Config.get_nvl_buffer_size_hint", "num_ranks", num_ranks)
         from .ops import intranode
-        return int(intranode.nvl_size_hint(self, hidden_bytes, num_ranks))
+        return align_buffer_bytes(int(intranode.nvl_size_hint(self, hidden_bytes, num_ranks)))
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of `num_rdma_bytes` that internode normal-mode calls need; 0 for at most
@@ -115,7 +121,7 @@ class Config:
                 raise
             raise NotImplementedError("Config.get_rdma_buffer_size_hint: internode mode (ranks over several "
                                       "NVLink domains) is not implemented yet") from None
-        return int(internode.rdma_size_hint(self, hidden_bytes, num_ranks))
+        return align_buffer_bytes(int(internode.rdma_size_hint(self, hidden_bytes, num_ranks)))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Config) and self._fields == other._fields

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import multiprocessing
 import os
 import re
@@ -23,8 +24,9 @@ def _parse_archs(text: str) -> List[int]:
     archs = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         m = re.fullmatch(r"(?:sm_?)?(\d+)", part.lower())
-        if not m:
-            raise argparse.ArgumentTypeError(f"bad arch {part!r} (expected e.g. sm_80,sm_90)")
+        if not m or int(m.group(1)) < 80:
+            raise argparse.ArgumentTypeError(f"bad arch {part!r} (expected sm_80 or newer, "
+                                             f"e.g. sm_80,sm_90)")
         archs.append(int(m.group(1)))
     return archs
 
@@ -55,13 +57,23 @@ def precompile(archs: List[int], jobs: int) -> int:
         for module, src in representative_sources():
             tasks += [(module, (src, arch_sm, f)) for f in sorted({native, 80}, reverse=True)]
     jobs = max(1, min(jobs, len(tasks)))
-    failures = 0
     t0 = time.perf_counter()
-    if jobs == 1:
-        results = (_build(task) for _, task in tasks)
-    else:
-        pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
-        results = pool.map(_build, [task for _, task in tasks])
+    with contextlib.ExitStack() as stack:
+        if jobs == 1:
+            results = map(_build, [task for _, task in tasks])
+        else:
+            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                jobs, mp_context=multiprocessing.get_context("spawn")))
+            results = pool.map(_build, [task for _, task in tasks])
+        failures = _report(tasks, results)
+    print(f"epcomm.jit: {len(tasks) - failures}/{len(tasks)} builds ok in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    return 1 if failures else 0
+
+
+def _report(tasks, results) -> int:
+    """Prints one line per kernel as results arrive; returns the number of failed builds."""
+    failures = 0
     for (module, (src, arch_sm, feature)), (ok, detail) in zip(tasks, results):
         label = f"sm_{arch_sm}/f{feature}"
         for kernel in src.kernels:
@@ -70,12 +82,9 @@ def precompile(archs: List[int], jobs: int) -> int:
                   flush=True)
         if not ok:
             failures += 1
-            print(detail, file=sys.stderr, flush=True)
-    if jobs > 1:
-        pool.shutdown()
-    print(f"epcomm.jit: {len(tasks) - failures}/{len(tasks)} builds ok in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
-    return 1 if failures else 0
+            print(f"{module}: {src.source} for sm_{arch_sm}/f{feature} failed:\n{detail}",
+                  file=sys.stderr, flush=True)
+    return failures
 
 
 def main(argv=None) -> int:

@@ -25,12 +25,6 @@ BF16, FP8, F32, I32, I64, BOOL = (torch.bfloat16, torch.float8_e4m3fn, torch.flo
                                   torch.int64, torch.bool)
 
 
-def _dtype_name(dtype) -> str:
-    if isinstance(dtype, tuple):
-        return " or ".join(map(str, dtype))
-    return str(dtype)
-
-
 class Call:
     """Validation context of one call: converts DLPack inputs to torch (remembering the caller's
     framework, so `output` can hand results back in it) and checks them against the Buffer's device
@@ -63,7 +57,8 @@ class Call:
     def flag(self, name: str, value) -> bool:
         if isinstance(value, bool):
             return value
-        if type(value).__name__ == "bool_" or (isinstance(value, int) and value in (0, 1)):
+        numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+        if numpy_bool or (isinstance(value, int) and value in (0, 1)):
             return bool(value)
         raise self.error(name, f"must be a bool, got {type(value).__name__} {value!r}", TypeError)
 
@@ -105,13 +100,13 @@ class Call:
 
     def tensor(self, name: str, value, dtype, shape: Tuple[Optional[int], ...], dims: str,
                contiguous: bool = True) -> torch.Tensor:
-        """Check `value` is a tensor of `dtype` (or one of a tuple of dtypes) on the Buffer's device,
-        with len(shape) dims, each equal to shape[i] unless None (`dims` names them), contiguous."""
+        """Check `value` is a tensor of `dtype` on the Buffer's device, with len(shape) dims, each
+        equal to shape[i] unless None (`dims` names them), and contiguous."""
         if value is None:
-            raise self.error(name, f"must be a {_dtype_name(dtype)} tensor {dims}, got None", TypeError)
+            raise self.error(name, f"must be a {dtype} tensor {dims}, got None", TypeError)
         t = self.as_tensor(name, value)
-        if t.dtype != dtype and not (isinstance(dtype, tuple) and t.dtype in dtype):
-            raise self.error(name, f"must have dtype {_dtype_name(dtype)}, got {t.dtype}", TypeError)
+        if t.dtype != dtype:
+            raise self.error(name, f"must have dtype {dtype}, got {t.dtype}", TypeError)
         if t.device != self.device:
             raise self.error(name, f"must be on the Buffer's device {self.device}, got {t.device}")
         actual = tuple(t.shape)

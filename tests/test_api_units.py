@@ -48,11 +48,11 @@ def test_config_rejects(kwargs, exc, words):
 def test_config_size_hints_delegate(monkeypatch):
     import epcomm.ops
     calls = []
-    fake = types.SimpleNamespace(nvl_size_hint=lambda config, hb, r: calls.append((config, hb, r)) or 4096)
+    fake = types.SimpleNamespace(nvl_size_hint=lambda config, hb, r: calls.append((config, hb, r)) or 4000)
     monkeypatch.setattr(epcomm.ops, "intranode", fake, raising=False)
     monkeypatch.setitem(__import__("sys").modules, "epcomm.ops.intranode", fake)
     config = Config(8)
-    assert config.get_nvl_buffer_size_hint(7168 * 2, 4) == 4096
+    assert config.get_nvl_buffer_size_hint(7168 * 2, 4) == 4096   # rounded up to a valid Buffer size
     assert calls == [(config, 7168 * 2, 4)]
     # One NVLink domain: the RDMA buffer is unused by normal mode, as DeepEP's hint says.
     assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
@@ -168,10 +168,11 @@ def test_capture_without_cuda_gives_an_empty_event():
 # ---- static hints ------------------------------------------------------------------------------
 def test_low_latency_size_hint_validates_then_delegates(monkeypatch):
     import epcomm.ops
-    fake = types.SimpleNamespace(rdma_size_hint=lambda t, h, r, e: t * h * r * e)
+    fake = types.SimpleNamespace(rdma_size_hint=lambda t, h, r, e: t * h * r * e + 1)
     monkeypatch.setattr(epcomm.ops, "low_latency", fake, raising=False)
     monkeypatch.setitem(__import__("sys").modules, "epcomm.ops.low_latency", fake)
-    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 288) == 128 * 7168 * 2 * 288
+    # rounded up to a multiple of 128, so that it is a valid Buffer size as it is
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 288) == 128 * 7168 * 2 * 288 + 128
     for args, exc, words in [((0, 7168, 2, 288), ValueError, "num_max_dispatch_tokens_per_rank must be >= 1"),
                              ((128, 100, 2, 288), ValueError, "hidden must be a multiple of 8"),
                              ((128, 7168, 0, 288), ValueError, "num_ranks must be >= 1"),

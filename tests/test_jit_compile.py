@@ -151,6 +151,19 @@ def test_syntax_error_gives_compile_error_with_log(tmp_path):
     assert "-DEPCOMM_FEATURE_SM90=1" in open(err.unit_path).read()
 
 
+def test_precompile_reports_a_failure_and_exits_nonzero(tmp_path, monkeypatch, capsys):
+    from epcomm import jit
+    from epcomm.ops import registry
+    text = "template <int N> __global__ void bad(int *p) { p[0] = undefined_name; }\n"
+    src = KernelSource("bad.cu", ("bad<1>",))
+    monkeypatch.setattr(registry, "representative_sources", lambda: [("tests.fake", src)])
+    with compiler.cuda_src_override(_probe_tree(tmp_path, "bad.cu", text)):
+        assert jit.precompile([90], jobs=1) == 1
+    out = capsys.readouterr()
+    assert "FAIL sm_90/f90" in out.out and "FAIL sm_90/f80" in out.out and "0/2 builds ok" in out.out
+    assert "undefined_name" in out.err
+
+
 def test_undefined_device_symbol_fails_at_link(tmp_path):
     text = ("extern __device__ int epcomm_missing(int);\n"
             "template <int N> __global__ void calls_missing(int *p) { p[0] = epcomm_missing(N); }\n")

@@ -143,10 +143,14 @@ def _normal_mode(rank, world, group, num_local_ranks):
     for h in (handle, padded.handle):
         cached = backend.dispatch(x8, s8, h, None, None, None, None, None, None, 1, 0, None)
         assert cached.recv_topk_idx is None and cached.handle is None
-        assert cached.recv_x.shape[0] == h[3].shape[0] if len(h) == 6 else h[7].shape[0]
+        assert cached.recv_x.shape[0] == (h[3] if len(h) == 6 else h[7]).shape[0]
         for row, (s, n, _, _) in enumerate(rows):
             assert torch.equal(cached.recv_x[row].view(torch.uint8), x8s[s][n])
             assert torch.equal(cached.recv_x_scales[row], s8s[s][n])
+    fresh = backend.dispatch(x8, s8, None, per_rank, per_node, in_rank, per_expert, idx, w, 1,
+                             0, None)
+    assert torch.equal(fresh.recv_x.view(torch.uint8), cached.recv_x.view(torch.uint8)[:len(rows)])
+    assert torch.equal(fresh.recv_x_scales, cached.recv_x_scales[:len(rows)])
     plain = backend.dispatch(x, None, None, per_rank, per_node, in_rank, None, None, None, 1, 0,
                              None)
     assert plain.recv_topk_idx is None and torch.equal(plain.recv_x, res.recv_x)
@@ -202,6 +206,10 @@ def _low_latency(rank, world, group):
             assert torch.equal(fp8.recv_x_scales[e, row], scales)
         assert not bf16.recv_x[e, len(want):].any()
     assert not wait_stats.any()
+    ue8m0 = backend.low_latency_dispatch(x, idx, tokens_per_rank, num_experts, None, None, True,
+                                         True, True, False)
+    assert ue8m0.recv_x_scales.dtype == torch.int32 and ue8m0.recv_x_scales.stride(1) == 1
+    assert ue8m0.recv_x_scales.shape == (local_experts, world * tokens_per_rank, 1)
 
     # combine: expert g returns its rows times (g + 1); weighted sum over k
     experts = rank * local_experts + torch.arange(local_experts)
@@ -240,6 +248,12 @@ def _low_latency(rank, world, group):
     backend.low_latency_query_mask_buffer(status)
     assert status.tolist() == [int(rank == 0 and r == last) for r in range(world)]
     dead = {(0, last), (last, 0)}
+    dead_ranks = {other for me, other in dead if me == rank}
+    # a mask set after the dispatch still drops the masked experts' rows from the combine
+    y_unmasked = (bf16.recv_x.float() * (experts + 1).float()[:, None, None]).bfloat16()
+    got, _ = backend.low_latency_combine(y_unmasked, idx, w, bf16.handle, False, False, False,
+                                         None, None)
+    assert torch.equal(got, want_combine(dead_ranks))
     masked = backend.low_latency_dispatch(x, idx, tokens_per_rank, num_experts, None, None,
                                           False, False, False, False)
     for e in range(local_experts):
@@ -248,7 +262,6 @@ def _low_latency(rank, world, group):
         assert [int(masked.handle[0][e, row]) for row in range(len(want))] == [n for _, n in want]
     y = (masked.recv_x.float() * (experts + 1).float()[:, None, None]).bfloat16()
     got, _ = backend.low_latency_combine(y, idx, w, masked.handle, False, False, False, None, None)
-    dead_ranks = {other for me, other in dead if me == rank}
     assert torch.equal(got, want_combine(dead_ranks))
     backend.low_latency_clean_mask_buffer()
     backend.low_latency_query_mask_buffer(status)

@@ -7,7 +7,6 @@ bad calls, so the valid collective call that follows every rejection stays in st
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from tests.conftest import run_ranks
@@ -150,9 +149,9 @@ def _layout_cases(rank, world, group):
         expect(call, exc, op, words)
         again = buf.get_dispatch_layout(inp.topk_idx, E)
         assert all(torch.equal(a, b) for a, b in zip(again[:4], expected[:4]) if a is not None)
-    # numpy.int64 scalars and numpy arrays (DLPack) are accepted; outputs come back as numpy arrays
+    # numpy scalars, 0/1 ints and numpy arrays (DLPack) are accepted; outputs come back as numpy arrays
     as_numpy = buf.get_dispatch_layout(inp.topk_idx.numpy(), np.int64(E), previous_event=EventOverlap(),
-                                       async_finish=True, allocate_on_comm_stream=True)
+                                       async_finish=np.True_, allocate_on_comm_stream=1)
     assert isinstance(as_numpy[0], np.ndarray) and as_numpy[1] is None
     assert np.array_equal(as_numpy[3], expected[3].numpy())
     assert isinstance(as_numpy[4], EventOverlap)
@@ -287,13 +286,53 @@ def test_combine_rejects():
     run_ranks(_combine_cases, R)
 
 
+# ---- internode (two "nodes" of one rank each on the CPU backend) ---------------------------------
+def _internode_cases(rank, world, group):
+    import os
+    os.environ["LOCAL_WORLD_SIZE"] = "1"   # the CPU backend's ranks per node: one, so 2 nodes
+    from epcomm import Buffer
+    no_rdma = Buffer(group, NVL_BYTES)
+    buf = Buffer(group, NVL_BYTES, NVL_BYTES)
+    assert buf.runtime.is_internode_available() and buf.runtime.get_num_rdma_ranks() == R
+    inp = Inputs(rank)
+    lay = _layout(buf, inp)
+    assert lay["num_tokens_per_rdma_rank"].shape == (R,)
+    top = dict(topk_idx=inp.topk_idx, topk_weights=inp.topk_weights)
+    expected = buf.dispatch(inp.x, **lay, **top)
+    handle = expected[4]
+    assert len(handle) == 10
+    combined = buf.combine(expected[0], handle, expected[2])
+    op = "Buffer.dispatch: "
+    cases = [
+        (lambda: no_rdma.dispatch(inp.x, **lay, **top), ValueError, op, "internode mode needs a Buffer with num_rdma_bytes > 0"),
+        (lambda: buf.dispatch(inp.x, **{**lay, "num_tokens_per_rdma_rank": None}, **top), ValueError, op,
+         "num_tokens_per_rdma_rank must be given when handle is None"),
+        (lambda: buf.dispatch(inp.x, **{**lay, "num_tokens_per_rdma_rank": lay["num_tokens_per_rank"][:1]}, **top),
+         ValueError, op, "num_tokens_per_rdma_rank must have shape [num_rdma_ranks] = [2]"),
+        (lambda: buf.dispatch(inp.x, handle[:6]), ValueError, op, "handle must be the 10-tuple an internode dispatch returns"),
+        (lambda: buf.dispatch(inp.x, handle[:6] + (handle[6].long(),) + handle[7:]), TypeError, op,
+         "handle[6] (recv_gbl_rank_prefix_sum) must have dtype torch.int32"),
+        (lambda: buf.combine(expected[0].float(), handle), TypeError, "Buffer.combine: ", "x must have dtype torch.bfloat16"),
+        (lambda: buf.combine(expected[0], handle, bias=torch.zeros(inp.n, H + 8).bfloat16()), ValueError,
+         "Buffer.combine: ", f"bias must have shape [num_tokens, hidden] = [*, {H}]"),
+    ]
+    for call, exc, name, words in cases:
+        expect(call, exc, name, words)
+        again = buf.combine(buf.dispatch(inp.x, **lay, **top)[0], handle, expected[2])
+        assert torch.equal(again[0], combined[0])
+
+
+def test_internode_rejects():
+    run_ranks(_internode_cases, R)
+
+
 # ---- low-latency mode ----------------------------------------------------------------------------
 def _low_latency_cases(rank, world, group):
     from epcomm import Buffer
     from epcomm.ops import low_latency
     t, e, h = 8, E, 512
     rdma = Buffer.get_low_latency_rdma_size_hint(t, h, R, e)
-    buf = Buffer(group, 0, -(-rdma // 128) * 128, low_latency_mode=True, enable_shrink=True)
+    buf = Buffer(group, 0, rdma, low_latency_mode=True, enable_shrink=True)
     g = torch.Generator().manual_seed(rank)
     n = 5 + rank
     x = torch.randn(n, h, generator=g).bfloat16()
@@ -386,5 +425,4 @@ def _low_latency_cases(rank, world, group):
 
 
 def test_low_latency_rejects():
-    pytest.importorskip("epcomm.ops.low_latency", reason="helper lowlat's epcomm/ops/low_latency.py has not landed")
     run_ranks(_low_latency_cases, R)

@@ -9,7 +9,7 @@ namespace epcomm {
 // Mirrored by epcomm.runtime.status.ErrorRecord (ctypes); keep both 32 bytes.
 struct ErrorRecord {
     int code;   // 0 = ok, 1 = peer timeout
-    int op;     // epcomm.runtime.status.OPS index
+    int op;     // epcomm.runtime.status.register_op id (a runtime Params field, not a template arg)
     int rank;   // the rank that waited
     int peer;   // the rank it waited for (-1 = unknown / local)
     int phase;  // op-specific phase number (named in Python next to the op)

@@ -75,7 +75,7 @@ class LowLatencyState:
         meta, data = oracle.ll_valid_rows(source, src_info, layout_range)
         metas, datas = self._gather(meta, "combine row ids"), self._gather(data, "x")
         combined = oracle.ll_combine_rows(list(zip(metas, datas)), topk_idx, topk_weights,
-                                          backend.rank, num_experts, None)
+                                          backend.rank, num_experts, self._rank_masks())
         if out is not None:
             out.copy_(combined)
             combined = out

@@ -15,7 +15,6 @@ from typing import NamedTuple, Optional, Tuple
 
 from ..errors import EpcommError
 
-_CUDA_ERROR_INVALID_VALUE = 1
 _CUDA_ERROR_INVALID_CONTEXT = 201
 _CUDA_ERROR_INVALID_HANDLE = 400
 _ATTR_MAX_THREADS_PER_BLOCK = 0
@@ -27,17 +26,21 @@ _LAUNCH_ATTRIBUTE_COOPERATIVE = 2
 _LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 
 
-class _LaunchAttributeValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("cooperative", c_int), ("cluster_dim", c_uint * 3)]
+# Mirrors of cuda.h's structs, with its field names (tests/test_jit_compile.py checks them).
+class _LaunchAttributeValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes, pointer-aligned
+    _fields_ = [("pad", ctypes.c_char * 64), ("pointer", c_void_p), ("cooperative", c_int),
+                ("clusterDim", c_uint * 3)]
 
 
-class _LaunchAttribute(ctypes.Structure):   # CUlaunchAttribute: id, 4 bytes pad, 64-byte value
+class LaunchAttribute(ctypes.Structure):    # CUlaunchAttribute
     _fields_ = [("id", c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
 
 
-class _LaunchConfig(ctypes.Structure):      # CUlaunchConfig
-    _fields_ = [("grid", c_uint * 3), ("block", c_uint * 3), ("shared_mem_bytes", c_uint),
-                ("stream", c_void_p), ("attrs", POINTER(_LaunchAttribute)), ("num_attrs", c_uint)]
+class LaunchConfigStruct(ctypes.Structure):   # CUlaunchConfig
+    _fields_ = [("gridDimX", c_uint), ("gridDimY", c_uint), ("gridDimZ", c_uint),
+                ("blockDimX", c_uint), ("blockDimY", c_uint), ("blockDimZ", c_uint),
+                ("sharedMemBytes", c_uint), ("hStream", c_void_p),
+                ("attrs", POINTER(LaunchAttribute)), ("numAttrs", c_uint)]
 
 
 _SIGNATURES = {
@@ -55,10 +58,22 @@ _SIGNATURES = {
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": [POINTER(c_int), c_void_p, c_int, c_size_t],
     "cuLaunchKernel": [c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_void_p,
                        c_void_p, c_void_p],
-    "cuLaunchKernelEx": [POINTER(_LaunchConfig), c_void_p, c_void_p, c_void_p],
+    "cuLaunchKernelEx": [POINTER(LaunchConfigStruct), c_void_p, c_void_p, c_void_p],
 }
+LIBCUDA = "libcuda.so.1"   # tests point this at a fake driver
 _driver = None
 _driver_lock = threading.Lock()
+# kernelParams arrays, one per thread: the driver reads the array during the (GIL-releasing) launch
+# call, so threads must not share one; per thread it can be reused launch after launch.
+_thread_args = threading.local()
+
+
+def _args_array():
+    try:
+        return _thread_args.array
+    except AttributeError:
+        _thread_args.array = (c_void_p * 1)()
+        return _thread_args.array
 
 
 def driver() -> ctypes.CDLL:
@@ -68,9 +83,9 @@ def driver() -> ctypes.CDLL:
     with _driver_lock:
         if _driver is None:
             try:
-                lib = ctypes.CDLL("libcuda.so.1")
+                lib = ctypes.CDLL(LIBCUDA)
             except OSError as e:
-                raise EpcommError(f"cannot load the CUDA driver (libcuda.so.1): {e}") from e
+                raise EpcommError(f"cannot load the CUDA driver ({LIBCUDA}): {e}") from e
             for name, argtypes in _SIGNATURES.items():
                 fn = getattr(lib, name, None)
                 if fn is not None:
@@ -108,7 +123,6 @@ class Kernel:
                  num_sms: int):
         self.name, self.lowered_name, self.device_index = name, lowered_name, device_index
         self.function, self.context, self.num_sms = function, context, num_sms
-        self._args = (c_void_p * 1)()        # kernelParams: the address of the one Params struct
         self._checked_params_type = None
         self._max_dynamic_smem = 0
         self._occupancy = {}                 # (threads, smem) -> max active blocks per SM
@@ -121,20 +135,21 @@ class Kernel:
         shared-memory bytes (call set_max_dynamic_smem first above 48 KiB)."""
         if type(params) is not self._checked_params_type:
             self._check_params(params)
-        self._args[0] = ctypes.addressof(params)
+        args = _args_array()                   # kernelParams: the address of the one Params struct
+        args[0] = ctypes.addressof(params)
         if cooperative or cluster is not None:
-            return self._launch_ex(grid, block, stream, smem, cooperative, cluster)
+            return self._launch_ex(grid, block, stream, smem, cooperative, cluster, args)
         rc = self._launch(self.function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                          smem, stream, self._args, None)
+                          smem, stream, args, None)
         if rc in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
             # The calling thread has another (or no) context current: launch in ours.
             with pushed_context(self.context):
                 rc = self._launch(self.function, grid[0], grid[1], grid[2], block[0], block[1],
-                                  block[2], smem, stream, self._args, None)
+                                  block[2], smem, stream, args, None)
         if rc != 0:
             self._launch_failed(rc, LaunchConfig(tuple(grid), tuple(block), smem, stream, False, None))
 
-    def _launch_ex(self, grid, block, stream, smem, cooperative, cluster) -> None:
+    def _launch_ex(self, grid, block, stream, smem, cooperative, cluster, args) -> None:
         config = LaunchConfig(tuple(grid), tuple(block), smem, stream, bool(cooperative),
                               tuple(cluster) if cluster is not None else None)
         if cooperative:
@@ -143,21 +158,21 @@ class Kernel:
             if grid[0] * grid[1] * grid[2] > limit:
                 raise EpcommError(f"cooperative launch of {self.name}: grid {config.grid} has more "
                                   f"blocks than can be co-resident ({limit}); {config}")
-        attrs = (_LaunchAttribute * 2)()
+        attrs = (LaunchAttribute * 2)()
         n = 0
         if cooperative:
             attrs[n].id, attrs[n].value.cooperative = _LAUNCH_ATTRIBUTE_COOPERATIVE, 1
             n += 1
         if cluster is not None:
             attrs[n].id = _LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attrs[n].value.cluster_dim[:] = list(cluster)
+            attrs[n].value.clusterDim[:] = list(cluster)
             n += 1
-        cfg = _LaunchConfig((c_uint * 3)(*grid), (c_uint * 3)(*block), smem, stream, attrs, n)
+        cfg = LaunchConfigStruct(*grid, *block, smem, stream, attrs, n)
         fn = driver().cuLaunchKernelEx
-        rc = fn(byref(cfg), self.function, self._args, None)
+        rc = fn(byref(cfg), self.function, args, None)
         if rc in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
             with pushed_context(self.context):
-                rc = fn(byref(cfg), self.function, self._args, None)
+                rc = fn(byref(cfg), self.function, args, None)
         if rc != 0:
             self._launch_failed(rc, config)
 
@@ -176,10 +191,10 @@ class Kernel:
             check(lib.cuFuncGetParamInfo(self.function, 0, byref(offset), byref(size)),
                   f"cuFuncGetParamInfo({self.name})")
             extra = lib.cuFuncGetParamInfo(self.function, 1, byref(offset), byref(c_size_t()))
-            if size.value != ctypes.sizeof(params) or extra != _CUDA_ERROR_INVALID_VALUE:
+            if size.value != ctypes.sizeof(params) or extra == 0:   # extra == 0: a 2nd parameter
                 raise TypeError(f"{self.name} takes one {size.value}-byte Params argument"
-                                f"{'' if extra else ' (and more)'}; {type(params).__name__} has "
-                                f"{ctypes.sizeof(params)} bytes")
+                                f"{' (and more)' if extra == 0 else ''}; {type(params).__name__} "
+                                f"has {ctypes.sizeof(params)} bytes")
         self._checked_params_type = type(params)
 
     # ---- attributes --------------------------------------------------------------------------

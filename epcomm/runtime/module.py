@@ -32,19 +32,22 @@ def get_kernel(src: KernelSource, kernel: Union[int, str], device_index: int,
     k = _KERNELS.get(key)
     if k is None:
         with _lock:
-            k = _KERNELS.get(key) or _load_kernel(src, kernel, device_index, feature)
-            _KERNELS[key] = k
+            name = _kernel_name(src, kernel)
+            by_name = (device_index, feature, src, name)      # index and name share one Kernel
+            k = _KERNELS.get(by_name) or _load_kernel(src, name, device_index, feature)
+            _KERNELS[key] = _KERNELS[by_name] = k
     return k
 
 
-def _load_kernel(src: KernelSource, kernel: Union[int, str], device_index: int,
-                 feature: int) -> Kernel:
+def _kernel_name(src: KernelSource, kernel: Union[int, str]) -> str:
     if isinstance(kernel, int):
-        name = src.kernels[kernel]
-    elif kernel in src.kernels:
-        name = kernel
-    else:
-        raise KeyError(f"{kernel!r} is not one of {src.source}'s kernels {src.kernels}")
+        return src.kernels[kernel]
+    if kernel in src.kernels:
+        return kernel
+    raise KeyError(f"{kernel!r} is not one of {src.source}'s kernels {src.kernels}")
+
+
+def _load_kernel(src: KernelSource, name: str, device_index: int, feature: int) -> Kernel:
     module, lowered = _load_module(src, device_index, feature)
     function = c_void_p()
     check(driver().cuModuleGetFunction(byref(function), module, lowered[name].encode()),

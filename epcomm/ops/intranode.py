@@ -1,0 +1,263 @@
+"""Normal-mode intranode dispatch / combine on the GPU (cuda_src/intranode.cu; protocol in its header).
+
+A fresh dispatch is two launches on the current stream: `notify` (exchange counts, build the
+routing tables) then the data kernel; with num_worst_tokens == 0 the host reads the counts in
+between (one small D2H copy + stream sync) to size the outputs exactly; with num_worst_tokens > 0
+nothing touches the host (CUDA-graph capturable). A cached dispatch and a combine are one launch.
+
+Handle (6-tuple), all int32 CUDA tensors except element 4:
+  0 rank_prefix_matrix  [R, R]: [i][j] = tokens sent to rank j by ranks 0..i
+  1 channel_prefix_matrix [R, G+1]: this rank's tokens are cut into G chunks of ceil(N/G)
+    consecutive tokens; [j][g] = how many of the tokens before chunk g go to rank j ([j][G] = all)
+  2 recv_channel_prefix_matrix [R, G+1]: [s][g] = rank s's channel_prefix_matrix[self][g], i.e.
+    where chunk g of source s starts among the rows received from s
+  3 recv_src_idx [M]: the row's token index on its source rank (-1 on padding rows)
+  4 is_token_in_rank [N, R] bool, as given
+  5 send_head [N, R]: index of token t among this rank's tokens that go to rank j, -1 if not sent
+G comes from Config.num_sms (intranode_plan.num_chunks) and must be equal on every rank.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import List, Optional
+
+import torch
+
+from ..backend import DispatchResult
+from ..runtime.arch import device_arch
+from ..runtime.compiler import KernelSource
+from ..runtime.module import get_kernel
+from ..runtime.status import register_op
+from . import intranode_plan as plan
+
+DISPATCH_OP = register_op("intranode dispatch", plan.PHASES)
+COMBINE_OP = register_op("intranode combine", plan.PHASES)
+_INDEX_TYPES = {torch.int64: "long long", torch.int32: "int"}
+_READY = weakref.WeakSet()   # GpuBackends whose NVL header has been zeroed on every rank
+
+
+def nvl_size_hint(config, hidden_bytes: int, num_ranks: int) -> int:
+    return plan.nvl_size_hint(config, hidden_bytes, num_ranks)
+
+
+def representative_sources() -> List[KernelSource]:
+    """For --precompile: 2 and 8 ranks, H = 7168, BF16 and FP8 (56 scales), both index types."""
+    names = []
+    for ranks in (2, 8):
+        names += [plan.notify_kernel(ranks), plan.combine_kernel(ranks, 7168 * 2)]
+        for row_bytes, scales in ((7168 * 2, 0), (7168, 56)):
+            names += [plan.dispatch_kernel(ranks, row_bytes, scales, "long long", True),
+                      plan.dispatch_kernel(ranks, row_bytes, scales, "int", True),
+                      plan.dispatch_kernel(ranks, row_bytes, scales, "int", False)]
+    return [_source(name) for name in names]
+
+
+def _source(name: str) -> KernelSource:
+    return KernelSource("intranode.cu", (name,))
+
+
+def _kernel(gb, name: str, what: str):
+    kernel = get_kernel(_source(name), 0, gb.device_index, device_arch(gb.device_index).feature)
+    return kernel
+
+
+# ---- checks and setup ------------------------------------------------------------------------
+def _prepare(gb, config, what: str) -> None:
+    """Per-call checks, and the first-use zeroing of the NVL header on every rank."""
+    if gb.nvl is None:
+        raise ValueError(f"{what}: intranode mode needs an NVL buffer; build the Buffer with "
+                         f"num_nvl_bytes > 0 (Config.get_nvl_buffer_size_hint gives a good size)")
+    if config.num_sms > gb.arch.num_sms:
+        raise ValueError(f"{what}: Config.num_sms={config.num_sms} exceeds the device's "
+                         f"{gb.arch.num_sms} SMs")
+    unreachable = [r for r, ptr in enumerate(gb.nvl.peer_ptrs) if not ptr]
+    if unreachable:
+        raise ValueError(f"{what}: ranks {unreachable} are not reachable over NVLink/P2P from rank "
+                         f"{gb.rank}; intranode mode needs every rank in one NVLink domain")
+    if gb in _READY:
+        return
+    header = plan.header_bytes(gb.num_ranks)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what}: the first intranode call on a Buffer sets up its NVL buffer "
+                           f"with a barrier and cannot be captured in a CUDA graph; call "
+                           f"dispatch once before capturing")
+    if header > gb.nvl.nbytes:
+        raise ValueError(f"{what}: num_nvl_bytes={gb.nvl.nbytes} is smaller than the {header}-byte "
+                         f"signal header of {gb.num_ranks} ranks")
+    gb.nvl.view(torch.uint8, (header,), 0).zero_()
+    gb.nvshmem.barrier_all()   # synchronises the GPU first: every rank's header is zero after it
+    _READY.add(gb)
+
+
+def _aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """16-byte aligned rows for vector accesses (a view at an odd offset is copied)."""
+    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def _launch(kernel, grid: int, threads: int, params) -> None:
+    kernel.launch((grid, 1, 1), (threads, 1, 1), params, torch.cuda.current_stream().cuda_stream)
+
+
+# ---- dispatch --------------------------------------------------------------------------------
+def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+             num_worst_tokens, config) -> DispatchResult:
+    """Backend.dispatch for ranks in one NVLink domain (arguments validated by Buffer)."""
+    what = "dispatch"
+    _prepare(gb, config, what)
+    num_ranks, rank, device = gb.num_ranks, gb.rank, gb.device
+    x, topk_idx, topk_weights = _aligned(x), _aligned(topk_idx), _aligned(topk_weights)
+    num_tokens, hidden = x.shape
+    row_bytes = hidden * x.element_size()
+    num_scales = 0 if x_scales is None else x_scales.shape[1]
+    fresh = handle is None
+
+    if fresh:
+        chunks = plan.num_chunks(config.num_sms, num_ranks)
+        num_local_experts = num_tokens_per_expert.shape[0] // num_ranks
+        rank_prefix, channel_prefix, recv_channel_prefix, send_head, info = _notify(
+            gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts)
+        expert_counts: List[int] = []
+        if num_worst_tokens > 0:
+            num_out_rows = num_worst_tokens
+        else:
+            num_out_rows, expert_counts = _read_counts(gb, info, chunks, num_local_experts,
+                                                       expert_alignment, row_bytes, num_scales,
+                                                       topk_idx, what)
+        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
+        index_type = _INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
+    else:
+        rank_prefix, channel_prefix, recv_channel_prefix, _, is_token_in_rank, send_head = handle
+        chunks = channel_prefix.shape[1] - 1
+        num_local_experts, num_topk, index_type = 0, 0, "int"
+        num_out_rows = handle[3].shape[0]
+        num_worst_tokens, expert_counts = 0, None
+
+    staging = plan.dispatch_staging_offset(num_ranks, num_local_experts, chunks) if fresh else \
+        plan.combine_staging_offset(num_ranks)
+    record = plan.dispatch_record_bytes(row_bytes, num_scales, num_topk)
+    rows = plan.ring_rows(gb.nvl.nbytes, staging, record, num_ranks, what)
+
+    recv_x = torch.empty((num_out_rows, hidden), dtype=x.dtype, device=device)
+    recv_scales = None if x_scales is None else \
+        torch.empty((num_out_rows, num_scales), dtype=torch.float32, device=device)
+    recv_topk_idx = recv_topk_weights = None
+    recv_src_idx = torch.empty((num_out_rows,), dtype=torch.int32, device=device) if fresh else None
+    if num_topk:
+        recv_topk_idx = torch.empty((num_out_rows, num_topk), dtype=topk_idx.dtype, device=device)
+        recv_topk_weights = torch.empty((num_out_rows, num_topk), dtype=torch.float32, device=device)
+
+    split = plan.dispatch_split(config.num_sms, num_ranks)
+    kernel = _kernel(gb, plan.dispatch_kernel(num_ranks, row_bytes, num_scales, index_type, fresh), what)
+    params = plan.DispatchParams(
+        x=_ptr(x), x_scales=_ptr(x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+        rank_prefix=_ptr(rank_prefix), channel_prefix=_ptr(channel_prefix),
+        recv_channel_prefix=_ptr(recv_channel_prefix), send_head=_ptr(send_head),
+        recv_x=_ptr(recv_x), recv_x_scales=_ptr(recv_scales), recv_topk_idx=_ptr(recv_topk_idx),
+        recv_topk_weights=_ptr(recv_topk_weights), recv_src_idx=_ptr(recv_src_idx),
+        peer_bases=gb.nvl.peer_table.data_ptr(), err=gb.status.device_ptr,
+        scale_stride_token=x_scales.stride(0) if x_scales is not None else 0,
+        scale_stride_group=x_scales.stride(1) if x_scales is not None else 0,
+        timeout_ns=gb.timeout_ns, staging_offset=staging, ring_rows=rows, record_bytes=record,
+        num_tokens=num_tokens, num_chunks=chunks,
+        tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks), num_topk=num_topk,
+        num_local_experts=num_local_experts, num_out_rows=num_out_rows, rank=rank,
+        num_send_blocks=split.send_blocks, op=DISPATCH_OP)
+    _launch(kernel, split.blocks, plan.THREADS, params)
+
+    if not fresh:
+        return DispatchResult(recv_x, recv_scales, None, None, None, None)
+    new_handle = (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
+                  send_head)
+    return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts,
+                          new_handle)
+
+
+def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts):
+    num_ranks, device = gb.num_ranks, gb.device
+    num_tokens = is_token_in_rank.shape[0]
+    info = torch.empty((num_ranks * num_ranks + num_local_experts + 2,), dtype=torch.int32, device=device)
+    channel_prefix = torch.empty((num_ranks, chunks + 1), dtype=torch.int32, device=device)
+    recv_channel_prefix = torch.empty((num_ranks, chunks + 1), dtype=torch.int32, device=device)
+    send_head = torch.empty((num_tokens, num_ranks), dtype=torch.int32, device=device)
+    params = plan.NotifyParams(
+        is_token_in_rank=_ptr(is_token_in_rank), num_tokens_per_expert=_ptr(num_tokens_per_expert),
+        info=_ptr(info), channel_prefix=_ptr(channel_prefix),
+        recv_channel_prefix=_ptr(recv_channel_prefix), send_head=_ptr(send_head),
+        peer_bases=gb.nvl.peer_table.data_ptr(), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
+        notify_offset=plan.header_bytes(num_ranks), num_tokens=num_tokens, num_chunks=chunks,
+        tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
+        num_local_experts=num_local_experts, rank=gb.rank, op=DISPATCH_OP)
+    _launch(_kernel(gb, plan.notify_kernel(num_ranks), "dispatch"), 1, plan.NOTIFY_THREADS, params)
+    rank_prefix = info[:num_ranks * num_ranks].view(num_ranks, num_ranks)
+    return rank_prefix, channel_prefix, recv_channel_prefix, send_head, info
+
+
+def _read_counts(gb, info, chunks, num_local_experts, expert_alignment, row_bytes, num_scales,
+                 topk_idx, what):
+    """Exact mode: wait for notify, read the counts; every rank reads the same rank_prefix_matrix
+    and N max, so the checks below raise on all ranks alike."""
+    num_ranks = gb.num_ranks
+    host = torch.empty(info.shape, dtype=torch.int32, pin_memory=True)
+    host.copy_(info, non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    gb.check_errors()
+    values = host.tolist()
+    rank_prefix = values[:num_ranks * num_ranks]
+    experts = values[num_ranks * num_ranks:num_ranks * num_ranks + num_local_experts]
+    max_tokens, mismatches = values[-2], values[-1]
+    if mismatches:
+        raise ValueError(f"{what}: ranks cut their tokens into different numbers of chunks; use the "
+                         f"same Config (num_sms) on every rank")
+    num_topk = 0 if topk_idx is None else topk_idx.shape[1]
+    record = plan.dispatch_record_bytes(row_bytes, num_scales, num_topk)
+    staging = plan.dispatch_staging_offset(num_ranks, num_local_experts, chunks)
+    rows = plan.ring_rows(gb.nvl.nbytes, staging, record, num_ranks, what)
+    chunk_rows = plan.tokens_per_chunk(max_tokens, chunks)
+    if num_ranks > 1 and chunk_rows > rows:
+        raise ValueError(f"{what}: a chunk of up to {chunk_rows} rows ({max_tokens} tokens / {chunks} "
+                         f"chunks) does not fit the {rows}-row receive ring that num_nvl_bytes="
+                         f"{gb.nvl.nbytes} leaves for {num_ranks - 1} peers with {record}-byte "
+                         f"records; raise num_nvl_bytes (Config.get_nvl_buffer_size_hint)")
+    num_recv = rank_prefix[(num_ranks - 1) * num_ranks + gb.rank]
+    align = expert_alignment
+    return num_recv, [(c + align - 1) // align * align for c in experts]
+
+
+# ---- combine ---------------------------------------------------------------------------------
+def combine(gb, x, handle, topk_weights, bias, config):
+    """Backend.combine: unweighted fp32 sum of the rows each token sent out, plus bias."""
+    what = "combine"
+    _prepare(gb, config, what)
+    num_ranks, device = gb.num_ranks, gb.device
+    rank_prefix, channel_prefix, recv_channel_prefix, _, is_token_in_rank, send_head = handle
+    x, topk_weights = _aligned(x.contiguous()), _aligned(topk_weights)
+    bias0, bias1 = (_aligned(b) for b in bias)
+    num_tokens, hidden = is_token_in_rank.shape[0], x.shape[1]
+    chunks = channel_prefix.shape[1] - 1
+    num_topk = 0 if topk_weights is None else topk_weights.shape[1]
+    row_bytes = hidden * 2
+    staging = plan.combine_staging_offset(num_ranks)
+    record = plan.combine_record_bytes(row_bytes, num_topk)
+    rows = plan.ring_rows(gb.nvl.nbytes, staging, record, num_ranks, what)
+
+    combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
+    combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device) \
+        if num_topk else None
+    split = plan.combine_split(config.num_sms, num_ranks)
+    params = plan.CombineParams(
+        x=_ptr(x), topk_weights=_ptr(topk_weights), bias0=_ptr(bias0), bias1=_ptr(bias1),
+        rank_prefix=_ptr(rank_prefix), channel_prefix=_ptr(channel_prefix),
+        recv_channel_prefix=_ptr(recv_channel_prefix), send_head=_ptr(send_head),
+        combined_x=_ptr(combined_x), combined_weights=_ptr(combined_weights),
+        peer_bases=gb.nvl.peer_table.data_ptr(), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
+        staging_offset=staging, ring_rows=rows, record_bytes=record, num_tokens=num_tokens,
+        num_chunks=chunks, tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
+        num_topk=num_topk, rank=gb.rank, num_send_blocks=split.send_blocks, op=COMBINE_OP)
+    _launch(_kernel(gb, plan.combine_kernel(num_ranks, row_bytes), what), split.blocks,
+            plan.THREADS, params)
+    return combined_x, combined_weights

@@ -1,0 +1,298 @@
+"""Low-latency dispatch / combine on the GPU: one kernel each (cuda_src/low_latency.cu, where the
+protocol is described), launched once per call, or twice with return_recv_hook (send part now,
+receive part in the hook). Buffer layout: epcomm/ops/low_latency_layout.py.
+
+The host path per call: one dict lookup for the kernel and its cached Params (one per buffer set),
+output allocations, a few field writes, one launch. No host synchronisation, no device-side
+bookkeeping launched from here: every call can be captured in a CUDA graph and replayed.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..backend import LowLatencyDispatchResult
+from ..runtime.compiler import KernelSource
+from .low_latency_layout import (THREADS, Layout, dispatch_smem_bytes, rdma_size_hint)
+
+__all__ = ["LowLatency", "rdma_size_hint", "representative_sources", "MAX_TOPK"]
+
+MAX_TOPK = 32                      # the combine kernel gives one lane per top-k slot
+SEND, RECV = 1, 2                  # Params.phases
+_INDEX_TYPES = {torch.int64: "long long", torch.int32: "int"}
+_P = ctypes.c_void_p
+
+DISPATCH_PHASES = ["wait for a peer to release the buffer set", "wait for a source's token list",
+                   "wait for a token's message"]
+COMBINE_PHASES = ["wait for a peer to release the buffer set", "wait for an expert's row"]
+
+_SHARED = [("heap", _P), ("peer_bases", _P), ("acks", _P), ("epochs", _P), ("tickets", _P), ("mask", _P)]
+
+
+class DispatchParams(ctypes.Structure):
+    """Mirror of epcomm::ll::DispatchParams."""
+    _fields_ = [("x", _P), ("topk_idx", _P), ("recv_x", _P), ("recv_scales", _P), ("recv_src_info", _P),
+                ("recv_layout_range", _P), ("recv_count", _P), ("cumulative_recv_stats", _P),
+                ("wait_recv_cost_stats", _P)] + _SHARED + [
+                ("token_tags", _P), ("list_tags", _P), ("lists", _P), ("messages", _P),
+                ("message_stage", _P), ("list_stage", _P), ("err", _P), ("timeout_ns", ctypes.c_uint64),
+                ("num_tokens", ctypes.c_int), ("rank", ctypes.c_int), ("phases", ctypes.c_int),
+                ("use_nvlink", ctypes.c_int), ("stage_for_puts", ctypes.c_int), ("enable_shrink", ctypes.c_int),
+                ("op", ctypes.c_int), ("pad", ctypes.c_int)]
+
+
+class CombineParams(ctypes.Structure):
+    """Mirror of epcomm::ll::CombineParams."""
+    _fields_ = [("x", _P), ("src_info", _P), ("layout_range", _P), ("topk_idx", _P), ("topk_weights", _P),
+                ("out", _P), ("wait_recv_cost_stats", _P)] + _SHARED + [
+                ("row_tags", _P), ("rows", _P), ("row_stage", _P), ("err", _P), ("timeout_ns", ctypes.c_uint64),
+                ("num_tokens", ctypes.c_int), ("rank", ctypes.c_int), ("phases", ctypes.c_int),
+                ("use_nvlink", ctypes.c_int), ("enable_shrink", ctypes.c_int), ("op", ctypes.c_int)]
+
+
+# ---- kernel specialisations --------------------------------------------------------------------
+def dispatch_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int, num_max_tokens: int,
+                    use_fp8: bool, round_scale: bool, use_ue8m0: bool, index_dtype=torch.int64) -> KernelSource:
+    b = lambda v: "true" if v else "false"
+    kernel = (f"epcomm::ll::dispatch_kernel<{hidden}, {num_topk}, {num_ranks}, {num_experts}, {num_max_tokens}, "
+              f"{b(use_fp8)}, {b(use_fp8 and round_scale)}, {b(use_fp8 and use_ue8m0)}, "
+              f"{_INDEX_TYPES[index_dtype]}, {THREADS}>")
+    return KernelSource("low_latency.cu", (kernel,), uses_nvshmem=True)
+
+
+def combine_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int, num_max_tokens: int,
+                   index_dtype=torch.int64) -> KernelSource:
+    kernel = (f"epcomm::ll::combine_kernel<{hidden}, {num_topk}, {num_ranks}, {num_experts}, {num_max_tokens}, "
+              f"{_INDEX_TYPES[index_dtype]}, {THREADS}>")
+    return KernelSource("low_latency.cu", (kernel,), uses_nvshmem=True)
+
+
+def representative_sources() -> List[KernelSource]:
+    """For `python -m epcomm.jit --precompile`: the targets.md setting (FP8 dispatch, BF16 combine,
+    2 ranks), power-of-two / UE8M0 scales on 8 ranks, and BF16 dispatch with int32 indices."""
+    return [dispatch_source(7168, 8, 2, 288, 128, True, False, False),
+            combine_source(7168, 8, 2, 288, 128),
+            dispatch_source(4096, 8, 8, 256, 256, True, True, True),
+            dispatch_source(2048, 16, 4, 64, 64, False, False, False, torch.int32)]
+
+
+class _Plan:
+    """A loaded kernel with its launch shape and one Params per buffer set (set-fixed fields filled)."""
+
+    def __init__(self, kernel, smem: int, params: Tuple[ctypes.Structure, ctypes.Structure]):
+        self.kernel, self.smem, self.params = kernel, smem, params
+
+
+# ---- the per-Buffer state -----------------------------------------------------------------------
+class LowLatency:
+    """Low-latency mode of one GpuBackend (`gb`): see epcomm/gpu.py for the state used."""
+
+    def __init__(self, gb):
+        from ..runtime.status import register_op
+        if gb.rdma is None:
+            raise ValueError("low-latency mode needs num_rdma_bytes > 0 (Buffer.get_low_latency_rdma_size_hint)")
+        self.gb = gb
+        self.rank, self.num_ranks = gb.rank, gb.num_ranks
+        self.dispatch_op = register_op("low_latency_dispatch", DISPATCH_PHASES)
+        self.combine_op = register_op("low_latency_combine", COMBINE_PHASES)
+        use_nvlink = bool(gb.options.get("allow_nvlink_for_low_latency_mode", True))
+        self.use_nvlink = int(use_nvlink)
+        # Puts are needed as soon as one other rank is not written directly.
+        self.needs_puts = any(r != self.rank and not (use_nvlink and gb.rdma.peer_ptrs[r])
+                              for r in range(self.num_ranks))
+        self.enable_shrink = int(bool(gb.options.get("enable_shrink", False)))
+        self.next_set = 0                 # buffer set of the next call (both kinds alternate)
+        self.signal_shape: Optional[Tuple[int, int]] = None   # (T, E) the signals are laid out for
+        self._layouts: Dict[tuple, Layout] = {}
+        self._plans: Dict[tuple, _Plan] = {}
+        self._combine_views: Dict[tuple, torch.Tensor] = {}
+        any_layout = Layout(1, 8, self.num_ranks, self.num_ranks)   # the control region ignores (T, H, E)
+        self._mask = gb.rdma.view(torch.int32, (self.num_ranks,), any_layout.mask)
+
+    # ---- shared plumbing -----------------------------------------------------------------------
+    def _layout(self, T: int, H: int, E: int) -> Layout:
+        key = (T, H, E)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = Layout(T, H, self.num_ranks, E)
+            if layout.total_bytes > self.gb.rdma.nbytes:
+                raise ValueError(f"low-latency mode with T={T}, H={H}, E={E} needs {layout.total_bytes} bytes of "
+                                 f"RDMA buffer (Buffer.get_low_latency_rdma_size_hint), this Buffer has "
+                                 f"{self.gb.rdma.nbytes}")
+            self._layouts[key] = layout
+        if self.signal_shape != (T, E):
+            if self.signal_shape is not None:
+                raise ValueError(
+                    f"low-latency calls switched from (num_max_dispatch_tokens_per_rank, num_experts) = "
+                    f"{self.signal_shape} to {(T, E)}: the signalling state moves with them; call "
+                    f"clean_low_latency_buffer({T}, {H}, {E}) on every rank first")
+            self.signal_shape = (T, E)
+        return layout
+
+    def _fill_shared(self, p, layout: Layout, s: int, op: int) -> None:
+        gb, base = self.gb, self.gb.rdma.ptr
+        p.heap, p.peer_bases = base, gb.rdma.peer_table.data_ptr()
+        p.acks, p.epochs, p.tickets = base + layout.acks(s), base + layout.epochs(s), base + layout.tickets(s)
+        p.mask, p.err, p.rank, p.op = base + layout.mask, gb.status.device_ptr, self.rank, op
+        p.use_nvlink, p.enable_shrink = self.use_nvlink, self.enable_shrink
+
+    def _take_set(self) -> int:
+        s, self.next_set = self.next_set, self.next_set ^ 1
+        return s
+
+    def _launch(self, plan: _Plan, p) -> None:
+        plan.kernel.launch((self.gb.arch.num_sms, 1, 1), (THREADS, 1, 1), p,
+                           torch.cuda.current_stream(self.gb.device).cuda_stream, smem=plan.smem)
+
+    def _hooked(self, plan: _Plan, p, keep_alive: tuple):
+        """Launch the send part now; return the hook that launches the receive part (on the stream
+        current when it is called). The hook holds the outputs until the receive part is queued."""
+        p.phases = SEND
+        self._launch(plan, p)
+        recv = type(p).from_buffer_copy(p)
+        recv.phases = RECV
+        held = list(keep_alive)
+
+        def hook():
+            self._launch(plan, recv)
+            held.clear()
+        return hook
+
+    # ---- dispatch ----------------------------------------------------------------------------
+    def _dispatch_plan(self, layout: Layout, K: int, fp8: bool, round_scale: bool, ue8m0: bool, index_dtype) -> _Plan:
+        from ..runtime.module import get_kernel
+        T, H, E = layout.num_max_tokens, layout.hidden, layout.num_experts
+        key = ("dispatch", T, H, E, K, fp8, round_scale, ue8m0, index_dtype, self.gb.arch.feature)
+        plan = self._plans.get(key)
+        if plan is None:
+            src = dispatch_source(H, K, self.num_ranks, E, T, fp8, round_scale, ue8m0, index_dtype)
+            kernel = get_kernel(src, 0, self.gb.device_index, self.gb.arch.feature)
+            smem = dispatch_smem_bytes(H, K, fp8)
+            kernel.set_max_dynamic_smem(smem)
+            params = tuple(self._dispatch_params(layout, s) for s in (0, 1))
+            plan = self._plans[key] = _Plan(kernel, smem, params)
+        return plan
+
+    def _dispatch_params(self, layout: Layout, s: int) -> DispatchParams:
+        p, base = DispatchParams(), self.gb.rdma.ptr
+        self._fill_shared(p, layout, s, self.dispatch_op)
+        p.token_tags, p.list_tags, p.lists = base + layout.token_tags(s), base + layout.list_tags(s), base + layout.lists(s)
+        p.messages, p.message_stage, p.list_stage = base + layout.recv(s), base + layout.send(s), base + layout.list_stage(s)
+        p.stage_for_puts = int(self.needs_puts)
+        return p
+
+    def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                 use_ue8m0, return_recv_hook) -> LowLatencyDispatchResult:
+        T, E, R = num_max_dispatch_tokens_per_rank, num_experts, self.num_ranks
+        N, H = x.shape
+        layout = self._layout(T, H, E)
+        plan = self._dispatch_plan(layout, topk_idx.shape[1], use_fp8, use_fp8 and round_scale,
+                                   use_fp8 and use_ue8m0, topk_idx.dtype)
+        E_l, slots, device = E // R, R * T, x.device
+        recv_x = torch.empty((E_l, slots, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16, device=device)
+        scales = None
+        if use_fp8:   # column-major in the last two dims, as DeepEP: [E_l, S, R*T] transposed
+            cols, dtype = (H // 512, torch.int32) if use_ue8m0 else (H // 128, torch.float32)
+            scales = torch.empty((E_l, cols, slots), dtype=dtype, device=device).transpose(1, 2)
+        src_info = torch.empty((E_l, slots), dtype=torch.int32, device=device)
+        layout_range = torch.empty((E_l, R), dtype=torch.int64, device=device)
+        recv_count = torch.empty((E_l,), dtype=torch.int32, device=device)
+
+        p = plan.params[self._take_set()]
+        p.x, p.topk_idx, p.num_tokens = x.data_ptr(), topk_idx.data_ptr(), N
+        p.recv_x, p.recv_scales = recv_x.data_ptr(), scales.data_ptr() if scales is not None else None
+        p.recv_src_info, p.recv_layout_range, p.recv_count = src_info.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr()
+        p.cumulative_recv_stats = _ptr(cumulative_local_expert_recv_stats)
+        p.wait_recv_cost_stats = _ptr(dispatch_wait_recv_cost_stats)
+        p.timeout_ns = self.gb.timeout_ns
+        hook = None
+        if return_recv_hook:
+            hook = self._hooked(plan, p, (recv_x, scales, src_info, layout_range, recv_count,
+                                          cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats))
+        else:
+            p.phases = SEND | RECV
+            self._launch(plan, p)
+        return LowLatencyDispatchResult(recv_x, scales, recv_count, (src_info, layout_range, T, H, E), hook)
+
+    # ---- combine -----------------------------------------------------------------------------
+    def _combine_plan(self, layout: Layout, K: int, index_dtype) -> _Plan:
+        from ..runtime.module import get_kernel
+        T, H, E = layout.num_max_tokens, layout.hidden, layout.num_experts
+        key = ("combine", T, H, E, K, index_dtype, self.gb.arch.feature)
+        plan = self._plans.get(key)
+        if plan is None:
+            src = combine_source(H, K, self.num_ranks, E, T, index_dtype)
+            kernel = get_kernel(src, 0, self.gb.device_index, self.gb.arch.feature)
+            params = tuple(self._combine_params(layout, s) for s in (0, 1))
+            plan = self._plans[key] = _Plan(kernel, 0, params)
+        return plan
+
+    def _combine_params(self, layout: Layout, s: int) -> CombineParams:
+        p, base = CombineParams(), self.gb.rdma.ptr
+        self._fill_shared(p, layout, s, self.combine_op)
+        p.row_tags, p.rows, p.row_stage = base + layout.row_tags(s), base + layout.recv(s), base + layout.send(s)
+        return p
+
+    def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, return_recv_hook, out,
+                combine_wait_recv_cost_stats):
+        if use_logfmt:
+            raise NotImplementedError("low_latency_combine(use_logfmt=True): the LogFMT compressed combine "
+                                      "payload is not implemented; use BF16 (use_logfmt=False)")
+        src_info, layout_range, T, H, E = handle
+        N = topk_idx.shape[0]
+        layout = self._layout(T, H, E)
+        plan = self._combine_plan(layout, topk_idx.shape[1], topk_idx.dtype)
+        if out is None:
+            out = torch.empty((N, H), dtype=torch.bfloat16, device=topk_idx.device)
+        p = plan.params[self._take_set()]
+        # zero_copy: the data is in this set's send buffer (get_next_low_latency_combine_buffer).
+        p.x = p.row_stage if zero_copy else x.data_ptr()
+        p.src_info, p.layout_range = src_info.data_ptr(), layout_range.data_ptr()
+        p.topk_idx, p.topk_weights, p.out, p.num_tokens = topk_idx.data_ptr(), topk_weights.data_ptr(), out.data_ptr(), N
+        p.wait_recv_cost_stats = _ptr(combine_wait_recv_cost_stats)
+        p.timeout_ns = self.gb.timeout_ns
+        if return_recv_hook:
+            return out, self._hooked(plan, p, (out, topk_idx, topk_weights, combine_wait_recv_cost_stats))
+        p.phases = SEND | RECV
+        self._launch(plan, p)
+        return out, None
+
+    def next_combine_buffer(self, handle) -> torch.Tensor:
+        _, _, T, H, E = handle
+        layout = self._layout(T, H, E)
+        key = (T, H, E, self.next_set)
+        view = self._combine_views.get(key)
+        if view is None:
+            view = self._combine_views[key] = self.gb.rdma.view(
+                torch.bfloat16, (E // self.num_ranks, self.num_ranks * T, H), layout.send(self.next_set))
+        return view
+
+    # ---- maintenance -------------------------------------------------------------------------
+    def clean_buffer(self, T: int, H: int, E: int) -> None:
+        """Collective: reset the call counters, acknowledgements and tags for (T, H, E) on every
+        rank (the mask is kept). Synchronises the GPU and all ranks; not for CUDA graphs."""
+        layout = Layout(T, H, self.num_ranks, E)
+        if layout.total_bytes > self.gb.rdma.nbytes:
+            raise ValueError(f"clean_low_latency_buffer({T}, {H}, {E}) needs {layout.total_bytes} bytes of RDMA "
+                             f"buffer, this Buffer has {self.gb.rdma.nbytes}")
+        self.gb.nvshmem.barrier_all()   # no rank still runs a low-latency kernel
+        self.gb.rdma.view(torch.uint8, (layout.mask,), 0).zero_()
+        self.gb.rdma.view(torch.uint8, (layout.signals_end - layout.control_bytes,), layout.control_bytes).zero_()
+        self.gb.nvshmem.barrier_all()   # every rank is clean before any rank sends again
+        self.next_set, self.signal_shape = 0, (T, E)
+
+    def update_mask(self, rank: int, mask: bool) -> None:
+        self._mask[rank] = int(bool(mask))
+
+    def query_mask(self, mask_status: torch.Tensor) -> None:
+        mask_status.copy_(self._mask)
+
+    def clean_mask(self) -> None:
+        self._mask.zero_()
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()

@@ -1,0 +1,168 @@
+"""Kernel.launch's driver plumbing without a GPU: a fake libcuda (built with the host C compiler)
+records what it is handed, so the argument passing, cuLaunchKernelEx attributes, the Params size
+check, the context retry and the error text are checked on the CPU. The driver structs are checked
+against cuda.h with NVRTC."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+
+from epcomm.errors import EpcommError
+from epcomm.runtime import cache, compiler, launch, module, options
+from epcomm.runtime.arch import Arch
+from epcomm.runtime.compiler import CompiledCubin, KernelSource
+
+FAKE_DRIVER = r"""
+#include <stddef.h>
+#include <string.h>
+typedef struct { int id; char pad[4]; union { char raw[64]; void *p; int coop; unsigned cl[3]; } v; } Attr;
+typedef struct { unsigned dims[7]; void *stream; Attr *attrs; unsigned nattrs; } Config;
+unsigned last_dims[7]; void *last_stream; unsigned char last_params[256];
+int last_coop = -1, launches = 0, pushes = 0, param_size = 24, needs_context = 0, fail_with = 0;
+unsigned last_cluster[3];
+static void *current;
+char last_function_name[256]; int loads = 0;
+int cuDeviceGet(int *d, int i) { *d = i; return 0; }
+int cuDevicePrimaryCtxRetain(void **c, int d) { *c = (void *)(size_t)(0xC0 + d); return 0; }
+int cuModuleLoadData(void **m, const void *image) { if (!current) return 201; ++loads; *m = (void *)0x3000; return 0; }
+int cuModuleGetFunction(void **f, void *m, const char *name) { strncpy(last_function_name, name, 255); *f = (void *)0x4000; return 0; }
+int cuInit(unsigned f) { return 0; }
+int cuGetErrorName(int rc, const char **s) { *s = rc == 201 ? "CUDA_ERROR_INVALID_CONTEXT" : "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"; return 0; }
+int cuCtxPushCurrent_v2(void *c) { current = c; ++pushes; return 0; }
+int cuCtxPopCurrent_v2(void **c) { *c = current; current = 0; return 0; }
+int cuFuncGetParamInfo(void *f, size_t i, size_t *off, size_t *size) { if (i > 0) return 1; *off = 0; *size = param_size; return 0; }
+int cuFuncGetAttribute(int *v, int attr, void *f) { *v = attr == 4 ? 40 : 0; return 0; }
+int cuFuncSetAttribute(void *f, int attr, int v) { return 0; }
+int cuOccupancyMaxActiveBlocksPerMultiprocessor(int *n, void *f, int threads, size_t smem) { *n = 2; return 0; }
+static int record(const unsigned *dims, void *stream, void **params) {
+    if (needs_context && !current) return 201;
+    if (fail_with) return fail_with;
+    memcpy(last_dims, dims, sizeof last_dims); last_stream = stream;
+    memcpy(last_params, params[0], param_size); ++launches; return 0;
+}
+int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                   unsigned smem, void *stream, void **params, void **extra) {
+    unsigned dims[7] = {gx, gy, gz, bx, by, bz, smem}; last_coop = -1; return record(dims, stream, params);
+}
+int cuLaunchKernelEx(const Config *c, void *f, void **params, void **extra) {
+    last_coop = 0;
+    for (unsigned i = 0; i < c->nattrs; ++i) {
+        if (c->attrs[i].id == 2) last_coop = c->attrs[i].v.coop;
+        if (c->attrs[i].id == 4) memcpy(last_cluster, c->attrs[i].v.cl, sizeof last_cluster);
+    }
+    return record(c->dims, c->stream, params);
+}
+"""
+
+
+class Params(ctypes.Structure):
+    _fields_ = [("out", ctypes.c_void_p), ("n", ctypes.c_longlong), ("value", ctypes.c_int)]
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no host C compiler to build the fake driver")
+    (tmp_path / "fake.c").write_text(FAKE_DRIVER)
+    lib = tmp_path / "libcuda_fake.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(tmp_path / "fake.c")], check=True)
+    monkeypatch.setattr(launch, "LIBCUDA", str(lib))
+    monkeypatch.setattr(launch, "_driver", None)
+    yield ctypes.CDLL(str(lib))
+    launch._driver = None
+
+
+def read(lib, name, ctype=ctypes.c_int):
+    return ctype.in_dll(lib, name).value
+
+
+def make_kernel():
+    return launch.Kernel("epcomm::probe<1>", "_Z5probe", function=0x1000, context=0xC0, device_index=0,
+                         num_sms=132)
+
+
+def test_plain_launch_passes_dims_stream_and_params_by_value(fake):
+    k = make_kernel()
+    params = Params(0xABC, 12345, -7)
+    k.launch((3, 2, 1), (128, 1, 1), params, 0x5555, smem=4096)
+    assert read(fake, "launches") == 1 and read(fake, "last_coop") == -1
+    assert list((ctypes.c_uint * 7).in_dll(fake, "last_dims")) == [3, 2, 1, 128, 1, 1, 4096]
+    assert read(fake, "last_stream", ctypes.c_void_p) == 0x5555
+    assert bytes((ctypes.c_ubyte * 24).in_dll(fake, "last_params")) == bytes(params)
+
+
+def test_cooperative_and_cluster_go_through_launch_kernel_ex(fake):
+    k = make_kernel()
+    k.launch((264, 1, 1), (256, 1, 1), Params(), 7, cooperative=True)      # 2 per SM x 132 SMs
+    assert read(fake, "last_coop") == 1
+    k.launch((8, 1, 1), (64, 1, 1), Params(), 7, cluster=(2, 1, 1))
+    assert read(fake, "last_coop") == 0
+    assert list((ctypes.c_uint * 3).in_dll(fake, "last_cluster")) == [2, 1, 1]
+    assert list((ctypes.c_uint * 7).in_dll(fake, "last_dims"))[:4] == [8, 1, 1, 64]
+    with pytest.raises(EpcommError, match=r"co-resident \(264\)"):
+        k.launch((265, 1, 1), (256, 1, 1), Params(), 7, cooperative=True)
+
+
+def test_params_size_is_checked_against_the_kernel(fake):
+    class Wrong(ctypes.Structure):
+        _fields_ = [("out", ctypes.c_void_p)]
+    with pytest.raises(TypeError, match="24-byte Params"):
+        make_kernel().launch((1, 1, 1), (32, 1, 1), Wrong(), 0)
+    with pytest.raises(TypeError, match="ctypes.Structure"):
+        make_kernel().launch((1, 1, 1), (32, 1, 1), 1234, 0)
+    assert read(fake, "launches") == 0
+
+
+def test_launch_retries_in_the_kernels_context(fake):
+    ctypes.c_int.in_dll(fake, "needs_context").value = 1
+    make_kernel().launch((1, 1, 1), (32, 1, 1), Params(), 0)
+    assert read(fake, "launches") == 1 and read(fake, "pushes") == 1
+
+
+def test_failed_launch_names_kernel_error_and_config(fake):
+    ctypes.c_int.in_dll(fake, "fail_with").value = 701
+    with pytest.raises(EpcommError) as info:
+        make_kernel().launch((9, 1, 1), (1024, 1, 1), Params(), 0x42, smem=100)
+    text = str(info.value)
+    assert "epcomm::probe<1>" in text and "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES" in text
+    assert "grid=(9, 1, 1)" in text and "block=(1024, 1, 1)" in text and "num_regs=40" in text
+
+
+def test_driver_structs_match_cuda_h(tmp_path):
+    """cuda.h needs <stdlib.h>/<stdint.h>, which NVRTC lacks: minimal stand-ins suffice for layouts."""
+    (tmp_path / "stdlib.h").write_text("#pragma once\n")
+    (tmp_path / "stdint.h").write_text("#pragma once\n#include <cuda/std/cstdint>\n")
+    unit = ("#include <cuda.h>\n"
+            + compiler.params_layout_check_source("CUlaunchConfig", launch.LaunchConfigStruct)
+            + compiler.params_layout_check_source("CUlaunchAttribute", launch.LaunchAttribute))
+    opts = [f"-I{tmp_path}"] + options.nvrtc_options(options.Target.make(90, 90), str(tmp_path))
+    compiler._nvrtc_ltoir(unit, "driver_structs.cu", opts, ())
+
+
+def test_get_kernel_loads_once_in_the_primary_context(fake, monkeypatch):
+    """get_kernel: cubin from the cache, cuModuleLoadData with the device's primary context pushed,
+    nvshmemx_cumodule_init for NVSHMEM sources, functions by lowered name, memoised."""
+    import epcomm.runtime.nvshmem as nvshmem
+    src = KernelSource("layout.cu", ("epcomm::a<1>", "epcomm::b<2>"), uses_nvshmem=True)
+    lowered = {"epcomm::a<1>": "_Z1aILi1EEvv", "epcomm::b<2>": "_Z1bILi2EEvv"}
+    monkeypatch.setattr(cache, "get_cubin", lambda s, a, f: CompiledCubin(b"cubin", lowered))
+    monkeypatch.setattr(module, "device_arch", lambda i: Arch.for_target(90, num_sms=132))
+    for name in ("_KERNELS", "_MODULES", "_CONTEXTS"):
+        monkeypatch.setattr(module, name, {})
+    inits = []
+    monkeypatch.setattr(nvshmem, "cumodule_init", inits.append)
+    a = module.get_kernel(src, 0, 1)
+    assert bytes((ctypes.c_char * 256).in_dll(fake, "last_function_name").value) == b"_Z1aILi1EEvv"
+    assert a.context == 0xC1 and a.num_sms == 132 and a.lowered_name == "_Z1aILi1EEvv"
+    assert module.get_kernel(src, "epcomm::a<1>", 1) is a
+    b = module.get_kernel(src, "epcomm::b<2>", 1)
+    assert b.lowered_name == "_Z1bILi2EEvv"
+    assert read(fake, "loads") == 1 and inits == [0x3000], "one module per (device, feature, source)"
+    module.get_kernel(src, 1, 1, feature=80)
+    assert read(fake, "loads") == 2
+    with pytest.raises(KeyError, match="epcomm::c"):
+        module.get_kernel(src, "epcomm::c<3>", 1)

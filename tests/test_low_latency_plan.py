@@ -1,0 +1,140 @@
+"""Low-latency mode without a GPU: the kernels compile and link for both feature sets, the ctypes
+Params and the shared-memory / message formulas mirror the C++, and the RDMA size hint covers a
+layout whose regions are aligned and disjoint."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from epcomm.ops import low_latency as ll
+from epcomm.ops import low_latency_layout as lay
+from epcomm.runtime import compiler, options
+
+TARGET = dict(num_max_dispatch_tokens_per_rank=128, hidden=7168, num_ranks=2, num_experts=288)
+
+
+def _nvrtc(unit: str, arch_sm: int = 90, feature: int = 90) -> None:
+    """Compile `unit` (NVRTC only) with the runtime's options; raise CompileError with the log."""
+    target = options.Target.make(arch_sm, feature, True)
+    try:
+        compiler._nvrtc_ltoir(unit, "ll_check.cu", options.nvrtc_options(target, str(compiler.cuda_src_dir())), ())
+    except compiler._StageFailed as e:
+        pytest.fail(f"NVRTC rejected the check unit:\n{e.log}", pytrace=False)
+
+
+@pytest.mark.parametrize("struct, mirror", [("epcomm::ll::DispatchParams", ll.DispatchParams),
+                                            ("epcomm::ll::CombineParams", ll.CombineParams)])
+def test_params_mirror_cpp(struct, mirror):
+    compiler.check_params_layout("low_latency.cu", struct, mirror, uses_nvshmem=True)
+
+
+def test_shapes_mirror_cpp():
+    """message_bytes / dispatch_smem_bytes equal the kernel's Message / DispatchShape constants."""
+    lines = ['#include "low_latency.cu"']
+    for hidden, topk, fp8 in itertools.product((128, 1032 * 8, 2176, 7168, 8192, 32768), (1, 4, 8, 9, 16, 32),
+                                               (True, False)):
+        if fp8 and hidden % 128:
+            continue
+        b = "true" if fp8 else "false"
+        lines.append(f"static_assert(epcomm::ll::Message<{hidden}, {b}>::kBytes == {lay.message_bytes(hidden, fp8)}, "
+                     f"\"message bytes H={hidden} fp8={b}\");")
+        lines.append(f"static_assert(epcomm::ll::DispatchShape<{hidden}, {topk}, {b}, {lay.THREADS}>::kSmemBytes == "
+                     f"{lay.dispatch_smem_bytes(hidden, topk, fp8)}, \"smem H={hidden} K={topk} fp8={b}\");")
+    _nvrtc("\n".join(lines) + "\n")
+
+
+def test_dispatch_shared_memory_fits_a_block():
+    for hidden, topk, fp8 in itertools.product((8, 2048, 7168, 65536), (1, 8, 32), (True, False)):
+        if fp8 and hidden % 128:
+            continue
+        smem = lay.dispatch_smem_bytes(hidden, topk, fp8)
+        assert 0 < smem <= 227 * 1024 or lay.message_bytes(hidden, fp8) > lay.SMEM_BUDGET, (hidden, topk, fp8, smem)
+        assert lay.tokens_per_round(hidden, topk, fp8) >= 1
+
+
+def _regions(layout: lay.Layout):
+    """(name, offset, bytes) of every region the kernels touch, for both sets."""
+    T, H, R, E = layout.num_max_tokens, layout.hidden, layout.num_ranks, layout.num_experts
+    out = [("mask", layout.mask, 4 * R)]
+    for s in (0, 1):
+        out += [(f"acks{s}", layout.acks(s), 8 * R), (f"epochs{s}", layout.epochs(s), 16),
+                (f"tickets{s}", layout.tickets(s), 8),
+                (f"token_tags{s}", layout.token_tags(s), 8 * E * T), (f"row_tags{s}", layout.row_tags(s), 8 * E * T),
+                (f"list_tags{s}", layout.list_tags(s), 8 * E), (f"lists{s}", layout.lists(s), E * lay.list_bytes(T)),
+                (f"message_stage{s}", layout.send(s), T * max(lay.message_bytes(H, H % 128 == 0), 2 * H)),
+                (f"list_stage{s}", layout.list_stage(s), E * lay.list_bytes(T)),
+                (f"recv{s}", layout.recv(s), max(E * T * 2 * H, E * T * lay.message_bytes(H, H % 128 == 0)))]
+    return out
+
+
+@pytest.mark.parametrize("T, H, R, E", [(128, 7168, 2, 288), (1, 8, 1, 1), (1024, 8192, 8, 256),
+                                        (64, 1032, 2, 64), (256, 2176, 4, 12)])
+def test_layout_regions_disjoint_aligned_and_inside_hint(T, H, R, E):
+    layout = lay.Layout(T, H, R, E)
+    total = ll.rdma_size_hint(T, H, R, E)
+    assert total == layout.total_bytes and total % 128 == 0
+    regions = _regions(layout)
+    for name, offset, nbytes in regions:
+        assert offset % 16 == 0, name
+        assert 0 <= offset and offset + nbytes <= total, (name, offset, nbytes, total)
+    # Regions of one set may share memory only where the layout says so (stages live in the send
+    # buffer, which is also the zero-copy combine buffer); everything else is disjoint.
+    shared_ok = {frozenset(("message_stage0", "list_stage0")), frozenset(("message_stage1", "list_stage1"))}
+    for (a, ao, an), (b, bo, bn) in itertools.combinations(regions, 2):
+        if ao < bo + bn and bo < ao + an:
+            assert frozenset((a, b)) in shared_ok, f"{a} [{ao}, {ao + an}) overlaps {b} [{bo}, {bo + bn})"
+    # The zero-copy combine buffer [E_l, R*T, H] bf16 fits before recv.
+    for s in (0, 1):
+        assert layout.send(s) + E * T * 2 * H <= layout.recv(s)
+    # clean_low_latency_buffer zeroes control and signals, and nothing of the data.
+    assert layout.signals_end <= layout.send(0)
+    assert layout.lists(1) + E * lay.list_bytes(T) <= layout.signals_end
+
+
+def test_signals_do_not_move_with_hidden():
+    a, b = lay.Layout(128, 7168, 2, 288), lay.Layout(128, 4096, 2, 288)
+    assert [a.token_tags(s) for s in (0, 1)] == [b.token_tags(s) for s in (0, 1)]
+    assert a.signals_end == b.signals_end and a.mask == b.mask
+
+
+def test_rdma_size_hint_is_no_larger_than_deepep():
+    """DeepEP V1 sizes both sets as 2 x (send + recv) of E*T messages; ours must not need more."""
+    T, H, R, E = TARGET.values()
+    scales = H // 128
+    dispatch_msg = 16 + max(2 * H, H + 4 * scales)
+    combine_msg = 4 * scales + 2 * H
+    deepep = 2 * (max(T * dispatch_msg, E * T * combine_msg) + E * T * max(dispatch_msg, combine_msg)
+                  + (E * 4 + 127) // 128 * 128)
+    ours = ll.rdma_size_hint(T, H, R, E)
+    assert ours <= deepep, (ours, deepep)
+    assert ours >= 4 * E * T * 2 * H   # two sets of send + recv rows: nothing was forgotten
+
+
+def test_rdma_size_hint_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="divisible"):
+        ll.rdma_size_hint(128, 7168, 3, 256)
+    with pytest.raises(ValueError, match="hidden"):
+        ll.rdma_size_hint(128, 0, 2, 256)
+
+
+def test_names_and_bounds_for_buffer():
+    assert ll.MAX_TOPK == 32
+    assert ll.SEND | ll.RECV == 3
+    src = ll.dispatch_source(7168, 8, 2, 288, 128, True, False, False)
+    assert src.uses_nvshmem and src.kernels == (
+        "epcomm::ll::dispatch_kernel<7168, 8, 2, 288, 128, true, false, false, long long, 512>",)
+    # round_scale / UE8M0 mean nothing without FP8 and must not create separate BF16 kernels
+    assert ll.dispatch_source(1032, 8, 2, 64, 64, False, True, True) == ll.dispatch_source(1032, 8, 2, 64, 64, False,
+                                                                                              False, False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch_sm, feature", [(90, 90), (80, 80)])
+def test_representative_kernels_compile_and_link(arch_sm, feature):
+    """Every representative specialisation, in one unit per target (NVRTC + nvJitLink, no GPU)."""
+    kernels = tuple(k for src in ll.representative_sources() for k in src.kernels)
+    built = compiler.compile_cubin(compiler.KernelSource("low_latency.cu", kernels, uses_nvshmem=True),
+                                   arch_sm, feature)
+    assert built.cubin[:4] == b"\x7fELF"
+    assert set(built.lowered) == set(kernels)
