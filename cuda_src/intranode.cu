@@ -134,6 +134,26 @@ __device__ __forceinline__ int4 ld_cg_v4(const int4 *p) {
 __device__ __forceinline__ unsigned long long ld_volatile_u64(const void *p) {
     return *static_cast<const volatile unsigned long long *>(p);
 }
+__device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned long long *p) {
+    unsigned long long v;
+    asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Bounded waits for a value written by another GPU: poll with relaxed loads (an acquire load per
+// spin would invalidate the SM's L1 each time), then one acquire fence orders what follows.
+__device__ __forceinline__ bool wait_at_least(const WaitContext &ctx, const int *p, int target, int peer,
+                                              int phase) {
+    if (!ctx.wait(peer, phase, [&] { return ld_relaxed_sys(p) >= target; })) return false;
+    fence_acq_rel_sys();
+    return true;
+}
+__device__ __forceinline__ bool wait_at_least(const WaitContext &ctx, const unsigned long long *p,
+                                              unsigned long long target, int peer, int phase) {
+    if (!ctx.wait(peer, phase, [&] { return ld_relaxed_sys_u64(p) >= target; })) return false;
+    fence_acq_rel_sys();
+    return true;
+}
 
 __device__ __noinline__ void record_failure(ErrorRecord *err, int op, int rank, int peer, int phase) {
     if (atomicCAS(&err->code, kOk, kErrorCapacity) == kOk) {
@@ -202,8 +222,7 @@ __device__ __forceinline__ bool wait_peers_idle(char *const *peers, int rank, un
     bool ok = true;
     for (int j = lane_id(); j < kRanks; j += 32) {
         if (j == rank) continue;
-        const unsigned long long *done = done_ptr<kRanks>(peers[rank], j);
-        ok = ok && ctx.wait(j, kPhasePeerBusy, [&] { return ld_acquire_sys(done) + 1 >= epoch; });
+        ok = ok && wait_at_least(ctx, done_ptr<kRanks>(peers[rank], j), epoch - 1, j, kPhasePeerBusy);
     }
     return __all_sync(0xffffffffu, ok);
 }
@@ -218,8 +237,7 @@ __device__ __forceinline__ bool wait_ring_space(const int *prefix, int g, int ri
     const int limit = __ldg(prefix + g + 1) - ring_rows;
     int x = *cursor;
     while (x < g && __ldg(prefix + x) < limit) {
-        const unsigned long long *flag = consumed + x;
-        if (!ctx.wait(peer, kPhaseRingSpace, [&] { return ld_acquire_sys(flag) >= epoch; })) return false;
+        if (!wait_at_least(ctx, consumed + x, epoch, peer, kPhaseRingSpace)) return false;
         ++x;
     }
     *cursor = x;
@@ -282,10 +300,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
     // per-expert counts for j's experts, channel_prefix[j][0..G]].
     for (int j = warp; j < kRanks; j += num_warps) {
         bool ok = true;
-        if (lane == 0 && j != p.rank) {
-            const unsigned long long *done = done_ptr<kRanks>(peers[p.rank], j);
-            ok = ctx.wait(j, kPhasePeerBusy, [&] { return ld_acquire_sys(done) + 1 >= epoch; });
-        }
+        if (lane == 0 && j != p.rank)
+            ok = wait_at_least(ctx, done_ptr<kRanks>(peers[p.rank], j), epoch - 1, j, kPhasePeerBusy);
         if (!__shfl_sync(0xffffffffu, ok, 0)) {
             failed = 1;
             continue;
@@ -320,8 +336,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
     }
 
     for (int s = threadIdx.x; s < kRanks; s += kNotifyThreads) {
-        const unsigned long long *flag = notify_flag_ptr<kRanks>(peers[p.rank], s);
-        if (!ctx.wait(s, kPhaseCounts, [&] { return ld_acquire_sys(flag) >= epoch; })) failed = 1;
+        if (!wait_at_least(ctx, notify_flag_ptr<kRanks>(peers[p.rank], s), epoch, s, kPhaseCounts)) failed = 1;
     }
     __syncthreads();
     if (!failed) {
@@ -358,7 +373,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
 }
 
 // ---- dispatch ---------------------------------------------------------------------------------
-// A received / sent row's metadata as it sits in a ring record after the row bytes.
+// A row's metadata as it sits in a ring record after the row bytes.
 struct RecordMeta {
     float *scales;
     int *topk;
@@ -372,10 +387,31 @@ struct RecordMeta {
     }
 };
 
+// One token's metadata in registers, spread over the lanes: lane k < K holds top-k entry k, lane l
+// holds scales l, l + 32, ...; src is the token's index (lane 0 stores it).
+template <int kScales>
+struct TokenMeta {
+    static constexpr int kScalesPerLane = kScales > 0 ? (kScales + 31) / 32 : 1;
+    long long expert = -1;   // global expert id (sender) / local id (receiver)
+    float weight = 0.f;
+    float scale[kScalesPerLane];
+    int src = -1;
+};
+
 template <int kRanks, int kRowInt4, int kScales, typename IdxT, bool kFresh>
 struct Dispatch {
     using Split = RowSplit<kRowInt4, 8>;
+    using Meta = TokenMeta<kScales>;
     static constexpr int kRowBytes = kRowInt4 * 16;
+
+    static __device__ __forceinline__ bool in_row(int seg, int u, int lane) {
+        return seg * Split::kSegInt4 + u * 32 + lane < kRowInt4;
+    }
+
+    static __device__ __forceinline__ char *record_at(const DispatchParams &p, char *base, int ring, int k,
+                                                      long long ring_bytes) {
+        return base + p.staging_offset + ring * ring_bytes + (long long)(k % p.ring_rows) * p.record_bytes;
+    }
 
     // Warp-level sender: chunks blockIdx.x, blockIdx.x + S, ...; each warp takes every kWarps-th
     // (token, segment) of a chunk, reads it once and stores it to every destination; then signals
@@ -383,7 +419,7 @@ struct Dispatch {
     static __device__ void send(const DispatchParams &p, char *const *peers, int *cursor,
                                 unsigned long long epoch, const WaitContext &ctx) {
         const int lane = lane_id(), warp = warp_id(), rank = p.rank;
-        const int n = p.num_tokens, tpc = p.tokens_per_chunk, stride = p.num_chunks + 1, k_top = p.num_topk;
+        const int n = p.num_tokens, tpc = p.tokens_per_chunk, stride = p.num_chunks + 1;
         for (int j = lane; j < kRanks; j += 32) cursor[j] = 0;
         if (!wait_peers_idle<kRanks>(peers, rank, epoch, ctx)) return;
         const int self_base = rows_before(p.rank_prefix, kRanks, rank, rank);
@@ -411,25 +447,32 @@ struct Dispatch {
                 int4 v[Split::kUnroll];
 #pragma unroll
                 for (int u = 0; u < Split::kUnroll; ++u)
-                    if (seg * Split::kSegInt4 + u * 32 + lane < kRowInt4) v[u] = ld_nc_v4(src + u * 32 + lane);
+                    if (in_row(seg, u, lane)) v[u] = ld_nc_v4(src + u * 32 + lane);
+                Meta meta;
+                if (seg == 0) load_meta(p, t, meta);
 #pragma unroll
                 for (int j = 0; j < kRanks; ++j) {
                     if (head[j] < 0) continue;
+                    char *record = nullptr;
                     int4 *dst;
+                    int pos = -1;
                     if (j == rank) {
-                        const int pos = self_base + head[j];
-                        if (pos >= p.num_out_rows) continue;   // recorded by write_meta
+                        pos = self_base + head[j];
+                        if (pos >= p.num_out_rows) {   // num_worst_tokens too small
+                            if (seg == 0 && lane == 0) record_failure(p.err, p.op, rank, rank, kPhaseWorstTokens);
+                            continue;
+                        }
                         dst = static_cast<int4 *>(p.recv_x) + (long long)pos * kRowInt4;
                     } else {
-                        dst = reinterpret_cast<int4 *>(peers[j] + p.staging_offset + ring_index<kRanks>(rank, j) * ring_bytes +
-                                                       (long long)(head[j] % p.ring_rows) * p.record_bytes);
+                        record = record_at(p, peers[j], ring_index<kRanks>(rank, j), head[j], ring_bytes);
+                        dst = reinterpret_cast<int4 *>(record);
                     }
                     dst += seg * Split::kSegInt4;
 #pragma unroll
                     for (int u = 0; u < Split::kUnroll; ++u)
-                        if (seg * Split::kSegInt4 + u * 32 + lane < kRowInt4) dst[u * 32 + lane] = v[u];
+                        if (in_row(seg, u, lane)) dst[u * 32 + lane] = v[u];
+                    if (seg == 0) store_meta(p, meta, j, pos, record);
                 }
-                if (seg == 0) write_meta(p, peers, t, head, self_base, ring_bytes, k_top);
             }
             __syncwarp();
             for (int j = lane; j < kRanks; j += 32)
@@ -437,64 +480,54 @@ struct Dispatch {
         }
     }
 
-    // Scales, local top-k ids and weights, source index of token t, for each destination.
-    static __device__ __forceinline__ void write_meta(const DispatchParams &p, char *const *peers, int t,
-                                                      const int *head, int self_base, long long ring_bytes,
-                                                      int k_top) {
-        const int lane = lane_id(), rank = p.rank;
-        long long expert = -1;
-        float weight = 0.f;
-        if (kFresh && lane < k_top) {
-            expert = static_cast<long long>(static_cast<const IdxT *>(p.topk_idx)[(long long)t * k_top + lane]);
-            weight = p.topk_weights[(long long)t * k_top + lane];
+    static __device__ __forceinline__ void load_meta(const DispatchParams &p, int t, Meta &meta) {
+        const int lane = lane_id();
+        meta.src = t;
+        if (kFresh && lane < p.num_topk) {
+            meta.expert = static_cast<long long>(static_cast<const IdxT *>(p.topk_idx)[(long long)t * p.num_topk + lane]);
+            meta.weight = p.topk_weights[(long long)t * p.num_topk + lane];
         }
-        constexpr int kScalesPerLane = (kScales + 31) / 32;
-        float scale[kScalesPerLane > 0 ? kScalesPerLane : 1];
 #pragma unroll
-        for (int i = 0; i < kScalesPerLane; ++i)
+        for (int i = 0; i < Meta::kScalesPerLane; ++i)
             if (i * 32 + lane < kScales)
-                scale[i] = p.x_scales[(long long)t * p.scale_stride_token + (long long)(i * 32 + lane) * p.scale_stride_group];
+                meta.scale[i] = p.x_scales[(long long)t * p.scale_stride_token + (long long)(i * 32 + lane) * p.scale_stride_group];
+    }
+
+    // Destination j's view of the token: its top-k ids made local to j (-1, weight 0 elsewhere).
+    // Local rows (record == nullptr) go to the outputs at `pos`, others into the ring record.
+    static __device__ __forceinline__ void store_meta(const DispatchParams &p, const Meta &meta, int j, int pos,
+                                                      char *record) {
+        const int lane = lane_id(), k_top = p.num_topk;
+        const long long first = (long long)j * p.num_local_experts;
+        const int local = meta.expert >= first && meta.expert < first + p.num_local_experts ? int(meta.expert - first) : -1;
+        const float weight = local >= 0 ? meta.weight : 0.f;
+        if (record == nullptr) {
 #pragma unroll
-        for (int j = 0; j < kRanks; ++j) {
-            if (head[j] < 0) continue;
-            const long long first = (long long)j * p.num_local_experts;
-            const int local = expert >= first && expert < first + p.num_local_experts ? int(expert - first) : -1;
-            const float local_weight = local >= 0 ? weight : 0.f;
-            if (j == rank) {
-                const int pos = self_base + head[j];
-                if (pos >= p.num_out_rows) {
-                    if (lane == 0) record_failure(p.err, p.op, rank, rank, kPhaseWorstTokens);
-                    continue;
+            for (int i = 0; i < Meta::kScalesPerLane; ++i)
+                if (i * 32 + lane < kScales) p.recv_x_scales[(long long)pos * kScales + i * 32 + lane] = meta.scale[i];
+            if (kFresh) {
+                if (lane < k_top) {
+                    static_cast<IdxT *>(p.recv_topk_idx)[(long long)pos * k_top + lane] = static_cast<IdxT>(local);
+                    p.recv_topk_weights[(long long)pos * k_top + lane] = weight;
                 }
+                if (lane == 0) p.recv_src_idx[pos] = meta.src;
+            }
+        } else {
+            RecordMeta out(record, kRowBytes, kScales, k_top);
 #pragma unroll
-                for (int i = 0; i < kScalesPerLane; ++i)
-                    if (i * 32 + lane < kScales) p.recv_x_scales[(long long)pos * kScales + i * 32 + lane] = scale[i];
-                if (kFresh) {
-                    if (lane < k_top) {
-                        static_cast<IdxT *>(p.recv_topk_idx)[(long long)pos * k_top + lane] = static_cast<IdxT>(local);
-                        p.recv_topk_weights[(long long)pos * k_top + lane] = local_weight;
-                    }
-                    if (lane == 0) p.recv_src_idx[pos] = t;
+            for (int i = 0; i < Meta::kScalesPerLane; ++i)
+                if (i * 32 + lane < kScales) out.scales[i * 32 + lane] = meta.scale[i];
+            if (kFresh) {
+                if (lane < k_top) {
+                    out.topk[lane] = local;
+                    out.weights[lane] = weight;
                 }
-            } else {
-                char *record = peers[j] + p.staging_offset + ring_index<kRanks>(rank, j) * ring_bytes +
-                               (long long)(head[j] % p.ring_rows) * p.record_bytes;
-                RecordMeta meta(record, kRowBytes, kScales, k_top);
-#pragma unroll
-                for (int i = 0; i < kScalesPerLane; ++i)
-                    if (i * 32 + lane < kScales) meta.scales[i * 32 + lane] = scale[i];
-                if (kFresh) {
-                    if (lane < k_top) {
-                        meta.topk[lane] = local;
-                        meta.weights[lane] = local_weight;
-                    }
-                    if (lane == 0) *meta.src = t;
-                }
+                if (lane == 0) *out.src = meta.src;
             }
         }
     }
 
-    // Warp-level receiver: claims (chunk, source, part) in chunk order from a block-shared counter,
+    // Warp-level receiver: claims (chunk, source, part) in chunk order from a rank-wide counter,
     // waits for the source's kWarps signals, copies its part of the chunk's rows out of the ring;
     // the last part to finish frees the chunk (reset ready, publish consumed).
     static __device__ void receive(const DispatchParams &p, char *const *peers, unsigned long long epoch,
@@ -513,10 +546,7 @@ struct Dispatch {
             const int g = c / per_chunk, r = c % per_chunk, part = r % kParts;
             const int s = (rank + 1 + r / kParts) % kRanks;
             bool ok = true;
-            if (lane == 0) {
-                const int *ready = ready_ptr<kRanks>(local, s, g);
-                ok = ctx.wait(s, kPhaseData, [&] { return ld_acquire_sys(ready) >= kWarps; });
-            }
+            if (lane == 0) ok = wait_at_least(ctx, ready_ptr<kRanks>(local, s, g), kWarps, s, kPhaseData);
             __syncwarp();
             if (!__shfl_sync(0xffffffffu, ok, 0)) return;
 
@@ -525,7 +555,6 @@ struct Dispatch {
             if (part == 0 && lane == 0 && end - begin > p.ring_rows)
                 record_failure(p.err, p.op, rank, s, kPhaseChunkTooBig);
             const int base = rows_before(p.rank_prefix, kRanks, s, rank);
-            const char *ring = local + p.staging_offset + ring_index<kRanks>(s, rank) * ring_bytes;
             for (int item = part; item < (end - begin) * Split::kSegs; item += kParts) {
                 const int k = begin + item / Split::kSegs, seg = item % Split::kSegs;
                 const int pos = base + k;
@@ -533,27 +562,38 @@ struct Dispatch {
                     if (lane == 0) record_failure(p.err, p.op, rank, s, kPhaseWorstTokens);
                     continue;
                 }
-                const char *record = ring + (long long)(k % p.ring_rows) * p.record_bytes;
+                char *record = record_at(p, local, ring_index<kRanks>(s, rank), k, ring_bytes);
                 const int4 *src = reinterpret_cast<const int4 *>(record) + seg * Split::kSegInt4;
-                int4 *dst = static_cast<int4 *>(p.recv_x) + (long long)pos * kRowInt4 + seg * Split::kSegInt4;
                 int4 v[Split::kUnroll];
 #pragma unroll
                 for (int u = 0; u < Split::kUnroll; ++u)
-                    if (seg * Split::kSegInt4 + u * 32 + lane < kRowInt4) v[u] = ld_cg_v4(src + u * 32 + lane);
+                    if (in_row(seg, u, lane)) v[u] = ld_cg_v4(src + u * 32 + lane);
+                Meta meta;
+                const RecordMeta in(record, kRowBytes, kScales, k_top);
+                if (seg == 0) {
+#pragma unroll
+                    for (int i = 0; i < Meta::kScalesPerLane; ++i)
+                        if (i * 32 + lane < kScales) meta.scale[i] = __ldcg(in.scales + i * 32 + lane);
+                    if (kFresh && lane < k_top) {
+                        meta.expert = __ldcg(in.topk + lane);
+                        meta.weight = __ldcg(in.weights + lane);
+                    }
+                    if (kFresh && lane == 0) meta.src = __ldcg(in.src);
+                }
+                int4 *dst = static_cast<int4 *>(p.recv_x) + (long long)pos * kRowInt4 + seg * Split::kSegInt4;
 #pragma unroll
                 for (int u = 0; u < Split::kUnroll; ++u)
-                    if (seg * Split::kSegInt4 + u * 32 + lane < kRowInt4) dst[u * 32 + lane] = v[u];
+                    if (in_row(seg, u, lane)) dst[u * 32 + lane] = v[u];
                 if (seg == 0) {
-                    RecordMeta meta(const_cast<char *>(record), kRowBytes, kScales, k_top);
-                    for (int i = lane; i < kScales; i += 32)
-                        p.recv_x_scales[(long long)pos * kScales + i] = __ldcg(meta.scales + i);
+#pragma unroll
+                    for (int i = 0; i < Meta::kScalesPerLane; ++i)
+                        if (i * 32 + lane < kScales) p.recv_x_scales[(long long)pos * kScales + i * 32 + lane] = meta.scale[i];
                     if (kFresh) {
                         if (lane < k_top) {
-                            static_cast<IdxT *>(p.recv_topk_idx)[(long long)pos * k_top + lane] =
-                                static_cast<IdxT>(__ldcg(meta.topk + lane));
-                            p.recv_topk_weights[(long long)pos * k_top + lane] = __ldcg(meta.weights + lane);
+                            static_cast<IdxT *>(p.recv_topk_idx)[(long long)pos * k_top + lane] = static_cast<IdxT>(meta.expert);
+                            p.recv_topk_weights[(long long)pos * k_top + lane] = meta.weight;
                         }
-                        if (lane == 0) p.recv_src_idx[pos] = __ldcg(meta.src);
+                        if (lane == 0) p.recv_src_idx[pos] = meta.src;
                     }
                 }
             }
@@ -598,9 +638,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     __shared__ int cursors[kWarps][kRanks];
     const unsigned long long epoch = kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
     const WaitContext ctx = WaitContext::make(p.err, p.timeout_ns, p.op, p.rank);
-    if ((int)blockIdx.x < p.num_send_blocks) D::send(p, peers, cursors[warp_id()], epoch, ctx);
-    if (kRanks > 1) D::receive(p, peers, epoch, ctx);
-    D::pad(p);
+    // After any recorded failure the routing tables may be garbage (e.g. a notify that timed out):
+    // touch nothing, only keep the epoch bookkeeping.
+    if (!ctx.failed()) {
+        if ((int)blockIdx.x < p.num_send_blocks) D::send(p, peers, cursors[warp_id()], epoch, ctx);
+        if (kRanks > 1) D::receive(p, peers, epoch, ctx);
+        D::pad(p);
+    }
     kernel_end<kRanks>(peers, p.rank, epoch);
 }
 
@@ -698,8 +742,7 @@ struct Combine {
             bool ok = true;
             for (int j = lane; j < kRanks; j += 32) {
                 if (j == rank) continue;
-                const int *ready = ready_ptr<kRanks>(local, j, g);
-                ok = ok && ctx.wait(j, kPhaseData, [&] { return ld_acquire_sys(ready) >= kWarps; });
+                ok = ok && wait_at_least(ctx, ready_ptr<kRanks>(local, j, g), kWarps, j, kPhaseData);
                 if (part == 0 && __ldg(p.channel_prefix + j * stride + g + 1) - __ldg(p.channel_prefix + j * stride + g) > p.ring_rows)
                     record_failure(p.err, p.op, rank, j, kPhaseChunkTooBig);
             }
@@ -781,8 +824,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     __shared__ int cursors[kWarps][kRanks];
     const unsigned long long epoch = kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
     const WaitContext ctx = WaitContext::make(p.err, p.timeout_ns, p.op, p.rank);
-    if ((int)blockIdx.x < p.num_send_blocks) C::push(p, peers, cursors[warp_id()], epoch, ctx);
-    C::reduce(p, peers, epoch, ctx);
+    if (!ctx.failed()) {
+        if ((int)blockIdx.x < p.num_send_blocks) C::push(p, peers, cursors[warp_id()], epoch, ctx);
+        C::reduce(p, peers, epoch, ctx);
+    }
     kernel_end<kRanks>(peers, p.rank, epoch);
 }
 

@@ -102,15 +102,27 @@ class Call:
                contiguous: bool = True) -> torch.Tensor:
         """Check `value` is a tensor of `dtype` on the Buffer's device, with len(shape) dims, each
         equal to shape[i] unless None (`dims` names them), and contiguous."""
-        if value is None:
+        # Plain statements, no generators: this runs for every tensor of every call.
+        if isinstance(value, torch.Tensor):
+            t = value
+            if self.framework is None:
+                self.framework = "torch"
+        elif value is None:
             raise self.error(name, f"must be a {dtype} tensor {dims}, got None", TypeError)
-        t = self.as_tensor(name, value)
+        else:
+            t = self.as_tensor(name, value)
         if t.dtype != dtype:
             raise self.error(name, f"must have dtype {dtype}, got {t.dtype}", TypeError)
         if t.device != self.device:
             raise self.error(name, f"must be on the Buffer's device {self.device}, got {t.device}")
-        actual = tuple(t.shape)
-        if len(actual) != len(shape) or any(want is not None and want != got for want, got in zip(shape, actual)):
+        actual = t.shape
+        fits = len(actual) == len(shape)
+        if fits:
+            for want, got in zip(shape, actual):
+                if want is not None and want != got:
+                    fits = False
+                    break
+        if not fits:
             expected = ", ".join("*" if s is None else str(s) for s in shape)
             raise self.error(name, f"must have shape {dims} = [{expected}], got {list(actual)}")
         if contiguous and not t.is_contiguous():

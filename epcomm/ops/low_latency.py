@@ -79,10 +79,22 @@ def representative_sources() -> List[KernelSource]:
 
 
 class _Plan:
-    """A loaded kernel with its launch shape and one Params per buffer set (set-fixed fields filled)."""
+    """A loaded kernel, its launch shape, one Params per buffer set (set-fixed fields filled) and
+    what the per-call path needs, computed once."""
 
-    def __init__(self, kernel, smem: int, params: Tuple[ctypes.Structure, ctypes.Structure]):
-        self.kernel, self.smem, self.params = kernel, smem, params
+    def __init__(self, kernel, smem: int, params, signal_shape, **shapes):
+        self.kernel, self.smem, self.params, self.signal_shape = kernel, smem, params, signal_shape
+        self.__dict__.update(shapes)
+
+
+# torch's raw current-stream query (an int) where the build has it; the public one otherwise.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream(device_index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 # ---- the per-Buffer state -----------------------------------------------------------------------
@@ -105,31 +117,32 @@ class LowLatency:
         self.enable_shrink = int(bool(gb.options.get("enable_shrink", False)))
         self.next_set = 0                 # buffer set of the next call (both kinds alternate)
         self.signal_shape: Optional[Tuple[int, int]] = None   # (T, E) the signals are laid out for
-        self._layouts: Dict[tuple, Layout] = {}
         self._plans: Dict[tuple, _Plan] = {}
         self._combine_views: Dict[tuple, torch.Tensor] = {}
+        self._grid, self._block = (gb.arch.num_sms, 1, 1), (THREADS, 1, 1)
         any_layout = Layout(1, 8, self.num_ranks, self.num_ranks)   # the control region ignores (T, H, E)
         self._mask = gb.rdma.view(torch.int32, (self.num_ranks,), any_layout.mask)
 
     # ---- shared plumbing -----------------------------------------------------------------------
     def _layout(self, T: int, H: int, E: int) -> Layout:
-        key = (T, H, E)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = Layout(T, H, self.num_ranks, E)
-            if layout.total_bytes > self.gb.rdma.nbytes:
-                raise ValueError(f"low-latency mode with T={T}, H={H}, E={E} needs {layout.total_bytes} bytes of "
-                                 f"RDMA buffer (Buffer.get_low_latency_rdma_size_hint), this Buffer has "
-                                 f"{self.gb.rdma.nbytes}")
-            self._layouts[key] = layout
-        if self.signal_shape != (T, E):
-            if self.signal_shape is not None:
-                raise ValueError(
-                    f"low-latency calls switched from (num_max_dispatch_tokens_per_rank, num_experts) = "
-                    f"{self.signal_shape} to {(T, E)}: the signalling state moves with them; call "
-                    f"clean_low_latency_buffer({T}, {H}, {E}) on every rank first")
-            self.signal_shape = (T, E)
+        layout = Layout(T, H, self.num_ranks, E)
+        if layout.total_bytes > self.gb.rdma.nbytes:
+            raise ValueError(f"low-latency mode with T={T}, H={H}, E={E} needs {layout.total_bytes} bytes of "
+                             f"RDMA buffer (Buffer.get_low_latency_rdma_size_hint), this Buffer has "
+                             f"{self.gb.rdma.nbytes}")
         return layout
+
+    def _check_signals(self, shape: Tuple[int, int], H: int) -> None:
+        """The signals are laid out for one (T, E) at a time; the first call fixes it."""
+        if self.signal_shape == shape:
+            return
+        if self.signal_shape is not None:
+            T, E = shape
+            raise ValueError(
+                f"low-latency calls switched from (num_max_dispatch_tokens_per_rank, num_experts) = "
+                f"{self.signal_shape} to {shape}: the signalling state moves with them; call "
+                f"clean_low_latency_buffer({T}, {H}, {E}) on every rank first")
+        self.signal_shape = shape
 
     def _fill_shared(self, p, layout: Layout, s: int, op: int) -> None:
         gb, base = self.gb, self.gb.rdma.ptr
@@ -138,13 +151,17 @@ class LowLatency:
         p.mask, p.err, p.rank, p.op = base + layout.mask, gb.status.device_ptr, self.rank, op
         p.use_nvlink, p.enable_shrink = self.use_nvlink, self.enable_shrink
 
-    def _take_set(self) -> int:
+    def _params_for_call(self, plan: _Plan):
+        """This call's buffer set and its Params (set-fixed fields already there)."""
+        if plan.signal_shape != self.signal_shape:
+            self._check_signals(plan.signal_shape, plan.hidden)
         s, self.next_set = self.next_set, self.next_set ^ 1
-        return s
+        p = plan.params[s]
+        p.timeout_ns = self.gb.timeout_ns
+        return p
 
     def _launch(self, plan: _Plan, p) -> None:
-        plan.kernel.launch((self.gb.arch.num_sms, 1, 1), (THREADS, 1, 1), p,
-                           torch.cuda.current_stream(self.gb.device).cuda_stream, smem=plan.smem)
+        plan.kernel.launch(self._grid, self._block, p, _stream(self.gb.device_index), smem=plan.smem)
 
     def _hooked(self, plan: _Plan, p, keep_alive: tuple):
         """Launch the send part now; return the hook that launches the receive part (on the stream
@@ -160,19 +177,26 @@ class LowLatency:
             held.clear()
         return hook
 
-    # ---- dispatch ----------------------------------------------------------------------------
-    def _dispatch_plan(self, layout: Layout, K: int, fp8: bool, round_scale: bool, ue8m0: bool, index_dtype) -> _Plan:
+    def _kernel(self, src: KernelSource):
         from ..runtime.module import get_kernel
-        T, H, E = layout.num_max_tokens, layout.hidden, layout.num_experts
-        key = ("dispatch", T, H, E, K, fp8, round_scale, ue8m0, index_dtype, self.gb.arch.feature)
-        plan = self._plans.get(key)
-        if plan is None:
-            src = dispatch_source(H, K, self.num_ranks, E, T, fp8, round_scale, ue8m0, index_dtype)
-            kernel = get_kernel(src, 0, self.gb.device_index, self.gb.arch.feature)
-            smem = dispatch_smem_bytes(H, K, fp8)
-            kernel.set_max_dynamic_smem(smem)
-            params = tuple(self._dispatch_params(layout, s) for s in (0, 1))
-            plan = self._plans[key] = _Plan(kernel, smem, params)
+        return get_kernel(src, 0, self.gb.device_index, self.gb.arch.feature)
+
+    # ---- dispatch ----------------------------------------------------------------------------
+    def _dispatch_plan(self, key: tuple) -> _Plan:
+        T, H, E, K, fp8, round_scale, ue8m0, index_dtype = key
+        layout, R = self._layout(T, H, E), self.num_ranks
+        kernel = self._kernel(dispatch_source(H, K, R, E, T, fp8, round_scale, ue8m0, index_dtype))
+        smem = dispatch_smem_bytes(H, K, fp8)
+        kernel.set_max_dynamic_smem(smem)
+        params = tuple(self._dispatch_params(layout, s) for s in (0, 1))
+        E_l, slots = E // R, R * T
+        scales = None
+        if fp8:   # column-major in the last two dims, as DeepEP: [E_l, S, R*T], returned transposed
+            scales = ((E_l, H // 512, slots), torch.int32) if ue8m0 else ((E_l, H // 128, slots), torch.float32)
+        plan = _Plan(kernel, smem, params, (T, E), hidden=H, x_shape=(E_l, slots, H),
+                     x_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, scales=scales,
+                     src_info_shape=(E_l, slots), layout_shape=(E_l, R), count_shape=(E_l,))
+        self._plans[("dispatch",) + key] = plan
         return plan
 
     def _dispatch_params(self, layout: Layout, s: int) -> DispatchParams:
@@ -186,28 +210,24 @@ class LowLatency:
     def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                  cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
                  use_ue8m0, return_recv_hook) -> LowLatencyDispatchResult:
-        T, E, R = num_max_dispatch_tokens_per_rank, num_experts, self.num_ranks
+        T, E = num_max_dispatch_tokens_per_rank, num_experts
         N, H = x.shape
-        layout = self._layout(T, H, E)
-        plan = self._dispatch_plan(layout, topk_idx.shape[1], use_fp8, use_fp8 and round_scale,
-                                   use_fp8 and use_ue8m0, topk_idx.dtype)
-        E_l, slots, device = E // R, R * T, x.device
-        recv_x = torch.empty((E_l, slots, H), dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16, device=device)
+        key = (T, H, E, topk_idx.shape[1], use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0, topk_idx.dtype)
+        plan = self._plans.get(("dispatch",) + key) or self._dispatch_plan(key)
+        p = self._params_for_call(plan)
+        device = x.device
+        recv_x = torch.empty(plan.x_shape, dtype=plan.x_dtype, device=device)
         scales = None
-        if use_fp8:   # column-major in the last two dims, as DeepEP: [E_l, S, R*T] transposed
-            cols, dtype = (H // 512, torch.int32) if use_ue8m0 else (H // 128, torch.float32)
-            scales = torch.empty((E_l, cols, slots), dtype=dtype, device=device).transpose(1, 2)
-        src_info = torch.empty((E_l, slots), dtype=torch.int32, device=device)
-        layout_range = torch.empty((E_l, R), dtype=torch.int64, device=device)
-        recv_count = torch.empty((E_l,), dtype=torch.int32, device=device)
-
-        p = plan.params[self._take_set()]
+        if plan.scales is not None:
+            scales = torch.empty(plan.scales[0], dtype=plan.scales[1], device=device).transpose(1, 2)
+        src_info = torch.empty(plan.src_info_shape, dtype=torch.int32, device=device)
+        layout_range = torch.empty(plan.layout_shape, dtype=torch.int64, device=device)
+        recv_count = torch.empty(plan.count_shape, dtype=torch.int32, device=device)
         p.x, p.topk_idx, p.num_tokens = x.data_ptr(), topk_idx.data_ptr(), N
-        p.recv_x, p.recv_scales = recv_x.data_ptr(), scales.data_ptr() if scales is not None else None
+        p.recv_x, p.recv_scales = recv_x.data_ptr(), None if scales is None else scales.data_ptr()
         p.recv_src_info, p.recv_layout_range, p.recv_count = src_info.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr()
         p.cumulative_recv_stats = _ptr(cumulative_local_expert_recv_stats)
         p.wait_recv_cost_stats = _ptr(dispatch_wait_recv_cost_stats)
-        p.timeout_ns = self.gb.timeout_ns
         hook = None
         if return_recv_hook:
             hook = self._hooked(plan, p, (recv_x, scales, src_info, layout_range, recv_count,
@@ -218,16 +238,12 @@ class LowLatency:
         return LowLatencyDispatchResult(recv_x, scales, recv_count, (src_info, layout_range, T, H, E), hook)
 
     # ---- combine -----------------------------------------------------------------------------
-    def _combine_plan(self, layout: Layout, K: int, index_dtype) -> _Plan:
-        from ..runtime.module import get_kernel
-        T, H, E = layout.num_max_tokens, layout.hidden, layout.num_experts
-        key = ("combine", T, H, E, K, index_dtype, self.gb.arch.feature)
-        plan = self._plans.get(key)
-        if plan is None:
-            src = combine_source(H, K, self.num_ranks, E, T, index_dtype)
-            kernel = get_kernel(src, 0, self.gb.device_index, self.gb.arch.feature)
-            params = tuple(self._combine_params(layout, s) for s in (0, 1))
-            plan = self._plans[key] = _Plan(kernel, 0, params)
+    def _combine_plan(self, key: tuple) -> _Plan:
+        T, H, E, K, index_dtype = key
+        layout = self._layout(T, H, E)
+        kernel = self._kernel(combine_source(H, K, self.num_ranks, E, T, index_dtype))
+        params = tuple(self._combine_params(layout, s) for s in (0, 1))
+        plan = self._plans[("combine",) + key] = _Plan(kernel, 0, params, (T, E), hidden=H)
         return plan
 
     def _combine_params(self, layout: Layout, s: int) -> CombineParams:
@@ -242,18 +258,17 @@ class LowLatency:
             raise NotImplementedError("low_latency_combine(use_logfmt=True): the LogFMT compressed combine "
                                       "payload is not implemented; use BF16 (use_logfmt=False)")
         src_info, layout_range, T, H, E = handle
-        N = topk_idx.shape[0]
-        layout = self._layout(T, H, E)
-        plan = self._combine_plan(layout, topk_idx.shape[1], topk_idx.dtype)
+        N, K = topk_idx.shape
+        key = (T, H, E, K, topk_idx.dtype)
+        plan = self._plans.get(("combine",) + key) or self._combine_plan(key)
+        p = self._params_for_call(plan)
         if out is None:
             out = torch.empty((N, H), dtype=torch.bfloat16, device=topk_idx.device)
-        p = plan.params[self._take_set()]
         # zero_copy: the data is in this set's send buffer (get_next_low_latency_combine_buffer).
         p.x = p.row_stage if zero_copy else x.data_ptr()
         p.src_info, p.layout_range = src_info.data_ptr(), layout_range.data_ptr()
         p.topk_idx, p.topk_weights, p.out, p.num_tokens = topk_idx.data_ptr(), topk_weights.data_ptr(), out.data_ptr(), N
         p.wait_recv_cost_stats = _ptr(combine_wait_recv_cost_stats)
-        p.timeout_ns = self.gb.timeout_ns
         if return_recv_hook:
             return out, self._hooked(plan, p, (out, topk_idx, topk_weights, combine_wait_recv_cost_stats))
         p.phases = SEND | RECV
@@ -262,10 +277,10 @@ class LowLatency:
 
     def next_combine_buffer(self, handle) -> torch.Tensor:
         _, _, T, H, E = handle
-        layout = self._layout(T, H, E)
         key = (T, H, E, self.next_set)
         view = self._combine_views.get(key)
         if view is None:
+            layout = self._layout(T, H, E)
             view = self._combine_views[key] = self.gb.rdma.view(
                 torch.bfloat16, (E // self.num_ranks, self.num_ranks * T, H), layout.send(self.next_set))
         return view
@@ -274,10 +289,7 @@ class LowLatency:
     def clean_buffer(self, T: int, H: int, E: int) -> None:
         """Collective: reset the call counters, acknowledgements and tags for (T, H, E) on every
         rank (the mask is kept). Synchronises the GPU and all ranks; not for CUDA graphs."""
-        layout = Layout(T, H, self.num_ranks, E)
-        if layout.total_bytes > self.gb.rdma.nbytes:
-            raise ValueError(f"clean_low_latency_buffer({T}, {H}, {E}) needs {layout.total_bytes} bytes of RDMA "
-                             f"buffer, this Buffer has {self.gb.rdma.nbytes}")
+        layout = self._layout(T, H, E)
         self.gb.nvshmem.barrier_all()   # no rank still runs a low-latency kernel
         self.gb.rdma.view(torch.uint8, (layout.mask,), 0).zero_()
         self.gb.rdma.view(torch.uint8, (layout.signals_end - layout.control_bytes,), layout.control_bytes).zero_()

@@ -13,6 +13,7 @@ from ..runtime.compiler import KernelSource
 
 OPS_MODULES = (
     "epcomm.ops.layout",
+    "epcomm.ops.intranode",
     "epcomm.ops.low_latency",
 )
 

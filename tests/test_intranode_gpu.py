@@ -1,0 +1,505 @@
+"""Intranode dispatch / combine on GPUs through the public Buffer API, against epcomm.reference.oracle.
+
+Collective: run under torchrun (`make test-gpu`); every rank runs every test. Inputs of every rank
+are rebuilt on every rank from (seed, rank) on the CPU, so each rank computes its expected outputs
+with the oracle without gathering tensors. Checks are bit-exact for dispatch (it only moves bytes)
+and for combine against the oracle (same fp32 summation order); every rank reports the first
+differing row of each output, and all ranks fail together (dist_env.all_ok).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+import pytest
+import torch
+
+import epcomm
+from epcomm.errors import BufferUnusable, PeerTimeout
+from epcomm.ops import intranode_plan as plan
+from epcomm.reference import oracle
+
+pytestmark = pytest.mark.gpu
+HIDDEN = 7168
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+@dataclass
+class Inputs:
+    x: torch.Tensor                  # [N, H] bf16 (CPU)
+    x_fp8: Optional[torch.Tensor]    # e4m3 [N, H] or None
+    scales: Optional[torch.Tensor]   # f32 [N, H/128] (column-major storage) or None
+    topk_idx: torch.Tensor           # [N, K]
+    topk_weights: torch.Tensor       # [N, K] f32
+    layout: tuple                    # oracle.layout(...)
+
+
+def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int,
+                num_ranks: int, fp8: bool = False, index_dtype=torch.int64, route: str = "random") -> Inputs:
+    """route: random (top-k of random scores, 20% of entries -1), nowhere (also half the tokens with
+    no expert at all), rank0 (only rank 0's experts: every other rank receives nothing)."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16)
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    if route == "rank0":
+        scores[:, num_experts // num_ranks:] = -1
+    topk_idx = torch.topk(scores, num_topk, dim=1).indices
+    masked = torch.rand(num_tokens, num_topk, generator=gen) < 0.2
+    if route == "rank0":
+        masked |= scores.gather(1, topk_idx) < 0
+    if route == "nowhere":
+        masked |= (torch.rand(num_tokens, 1, generator=gen) < 0.5).expand(-1, num_topk)
+    topk_idx = topk_idx.masked_fill(masked, -1).to(index_dtype)
+    topk_weights = torch.rand(num_tokens, num_topk, generator=gen).masked_fill(masked, 0.0)
+    x_fp8 = scales = None
+    if fp8:
+        x_fp8, scales = oracle.fp8_cast(x)
+        scales = scales.t().contiguous().t()   # column-major, as DeepEP users pass them
+    return Inputs(x, x_fp8, scales, topk_idx, topk_weights,
+                  oracle.layout(topk_idx.long(), num_experts, num_ranks, num_ranks))
+
+
+def all_inputs(dist_env, n_by_rank, **kw) -> List[Inputs]:
+    return [make_inputs(rank=r, num_tokens=n_by_rank[r], num_ranks=dist_env.world_size, **kw)
+            for r in range(dist_env.world_size)]
+
+
+def dev(t, device):
+    return None if t is None else t.to(device)
+
+
+# ---- comparison ---------------------------------------------------------------------------------
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+         torch.float8_e4m3fn: torch.uint8}
+
+
+def row_diff(name: str, got, want, src_idx: Optional[torch.Tensor] = None) -> str:
+    """'' when bit-identical, else where the first differing row is (and which token it holds)."""
+    if want is None or got is None:
+        return "" if got is None and want is None else f"{name}: got {type(got).__name__}, want {type(want).__name__}"
+    got = got.detach().cpu()
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{name}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
+    if got.numel() == 0:
+        return ""
+    a = got.view(_BITS.get(got.dtype, got.dtype))
+    b = want.view(_BITS.get(want.dtype, want.dtype))
+    bad = (a != b).reshape(a.shape[0], -1).any(1) if a.dim() else (a != b).reshape(1)
+    if not bool(bad.any()):
+        return ""
+    rows = bad.nonzero().flatten()
+    r = int(rows[0])
+    where = f" (token {int(src_idx[r])} of its source)" if src_idx is not None and r < len(src_idx) else ""
+    return (f"{name}: {len(rows)} of {len(bad)} rows differ; first row {r}{where}: got "
+            f"{got[r].flatten()[:6].tolist()} want {want[r].flatten()[:6].tolist()}")
+
+
+def check(dist_env, errors: List[str], what: str) -> None:
+    errors = [e for e in errors if e]
+    for e in errors:
+        print(f"[rank {dist_env.rank}] {what}: {e}", flush=True)
+    assert dist_env.all_ok(not errors), f"rank {dist_env.rank} {what}: " + "; ".join(errors)
+
+
+def expected_dispatch(inputs: List[Inputs], rank: int, num_experts: int, fp8: bool, use_topk=True,
+                      alignment: int = 1, num_worst_tokens: int = 0, data: Optional[List[Inputs]] = None):
+    """The oracle's dispatch of `inputs`' routing; rows (and scales) from `data` if given."""
+    data = data or inputs
+    xs = [i.x_fp8 if fp8 else i.x for i in data]
+    return oracle.dispatch(xs, [i.scales for i in data] if fp8 else None,
+                           [i.topk_idx for i in inputs] if use_topk else None,
+                           [i.topk_weights for i in inputs] if use_topk else None,
+                           [i.layout[3] for i in inputs], num_experts, rank, alignment, num_worst_tokens,
+                           [i.layout[2] for i in inputs])
+
+
+def dispatch_errors(got, want, fp8: bool, use_topk: bool = True) -> List[str]:
+    """got: the public dispatch tuple; want: the oracle dict."""
+    recv_x, recv_topk_idx, recv_topk_weights, counts, handle, _ = got
+    src = want["recv_src_idx"]
+    errors = []
+    if fp8:
+        errors += [row_diff("recv_x (fp8)", recv_x[0], want["recv_x"], src),
+                   row_diff("recv_x_scales", recv_x[1], want["recv_x_scales"], src)]
+    else:
+        errors.append(row_diff("recv_x", recv_x, want["recv_x"], src))
+    if use_topk:
+        errors += [row_diff("recv_topk_idx", recv_topk_idx, want["recv_topk_idx"], src),
+                   row_diff("recv_topk_weights", recv_topk_weights, want["recv_topk_weights"], src)]
+    if handle is not None:
+        errors += [row_diff("handle[0] rank_prefix_matrix", handle[0], want["rank_prefix_matrix"]),
+                   row_diff("handle[3] recv_src_idx", handle[3], src)]
+        if counts != want["num_recv_tokens_per_expert_list"]:
+            errors.append(f"num_recv_tokens_per_expert_list: got {counts}, want "
+                          f"{want['num_recv_tokens_per_expert_list']}")
+    return errors
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    denominator = (x * x + y * y).sum()
+    return 0.0 if denominator == 0 else float(1 - 2 * (x * y).sum() / denominator)
+
+
+# ---- Buffer -------------------------------------------------------------------------------------
+def hint_bytes(world_size: int, hidden: int = HIDDEN) -> int:
+    config = epcomm.Buffer.get_dispatch_config(world_size)
+    return config.get_nvl_buffer_size_hint(hidden * 2, world_size)
+
+
+@pytest.fixture(scope="module")
+def buffer(dist_env):
+    buf = epcomm.Buffer(dist_env.group, num_nvl_bytes=hint_bytes(dist_env.world_size),
+                        explicitly_destroy=True)
+    yield buf
+    torch.cuda.synchronize()
+    dist_env.barrier()
+    buf.destroy()
+
+
+def run_dispatch(buffer, inp: Inputs, device, fp8: bool, use_topk=True, config=None, **kw):
+    x = (dev(inp.x_fp8, device), dev(inp.scales, device)) if fp8 else dev(inp.x, device)
+    per_rank, _, per_expert, in_rank = (dev(t, device) for t in inp.layout)
+    return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                           num_tokens_per_expert=per_expert,
+                           topk_idx=dev(inp.topk_idx, device) if use_topk else None,
+                           topk_weights=dev(inp.topk_weights, device) if use_topk else None,
+                           config=config, **kw)
+
+
+def combine_inputs(inputs, rank_count, num_experts):
+    """Combine inputs of every rank: its oracle recv rows scaled by (rank + 1) (BF16), so each
+    source's contribution is distinct; and the matching received top-k weights."""
+    xs, ws = [], []
+    for r in range(rank_count):
+        want = expected_dispatch(inputs, r, num_experts, False)
+        xs.append((want["recv_x"].float() * (r + 1)).to(torch.bfloat16))
+        ws.append(want["recv_topk_weights"])
+    return xs, ws
+
+
+# ---- dispatch -----------------------------------------------------------------------------------
+CASES = [  # seed, N by rank (times world size), H, K, E, fp8, index dtype, alignment, num_sms
+    (1, (1024,), HIDDEN, 8, 256, False, torch.int64, 1, 24),
+    (2, (1024,), HIDDEN, 8, 256, True, torch.int64, 1, 24),
+    (3, (777, 1500), HIDDEN, 8, 64, False, torch.int64, 128, 8),
+    (4, (333,), 2056, 1, 16, False, torch.int64, 1, 48),
+    (5, (512,), 4096, 32, 64, True, torch.int64, 4, 20),
+    (6, (4096,), HIDDEN, 8, 256, False, torch.int64, 1, 24),
+    (7, (300,), 1024, 8, 32, False, torch.int32, 1, 16),
+]
+
+
+def n_by_rank(pattern, world_size):
+    return [pattern[r % len(pattern)] for r in range(world_size)]
+
+
+@pytest.mark.parametrize("seed, ns, hidden, topk, experts, fp8, index_dtype, alignment, sms", CASES)
+def test_dispatch_and_combine_match_oracle(dist_env, buffer, seed, ns, hidden, topk, experts, fp8,
+                                           index_dtype, alignment, sms):
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    inputs = all_inputs(dist_env, n_by_rank(ns, world), seed=seed, hidden=hidden, num_experts=experts,
+                        num_topk=topk, fp8=fp8, index_dtype=index_dtype)
+    if index_dtype != torch.int64 and epcomm.topk_idx_t == torch.int64:
+        try:
+            got = run_dispatch(buffer, inputs[rank], device, fp8, config=epcomm.Config(sms),
+                               expert_alignment=alignment)
+        except TypeError as e:
+            assert dist_env.all_ok(True)
+            pytest.skip(f"Buffer.dispatch rejects int32 topk_idx: {e}")
+    else:
+        got = run_dispatch(buffer, inputs[rank], device, fp8, config=epcomm.Config(sms),
+                           expert_alignment=alignment)
+    want = expected_dispatch(inputs, rank, experts, fp8, alignment=alignment)
+    check(dist_env, dispatch_errors(got, want, fp8), "fresh dispatch")
+
+    # Cached dispatch: same routing, new data, equals a fresh dispatch of the new data.
+    new_inputs = [make_inputs(seed + 100, r, len(i.x), hidden, experts, topk, world, fp8, index_dtype)
+                  for r, i in enumerate(inputs)]
+    new_x = (dev(new_inputs[rank].x_fp8, device), dev(new_inputs[rank].scales, device)) if fp8 \
+        else dev(new_inputs[rank].x, device)
+    cached = buffer.dispatch(new_x, handle=got[4], config=epcomm.Config(sms))
+    want_cached = expected_dispatch(inputs, rank, experts, fp8, data=new_inputs)
+    errors = dispatch_errors(cached, want_cached, fp8, use_topk=False)
+    errors.append("" if cached[1:5] == (None, None, None, None) else "cached dispatch returned more than recv_x")
+    check(dist_env, errors, "cached dispatch")
+
+    # Combine of distinct per-rank inputs, with weights and a 2-tuple bias: bit-exact vs the oracle.
+    xs, ws = combine_inputs(inputs, world, experts)
+    gen = torch.Generator().manual_seed(seed + 7)
+    bias = tuple(torch.randn(len(inputs[rank].x), hidden, generator=gen).to(torch.bfloat16) for _ in range(2))
+    combined, weights, _ = buffer.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device),
+                                          bias=tuple(dev(b, device) for b in bias),
+                                          config=epcomm.Config(max(2, sms - 4)))
+    want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws, bias)
+    check(dist_env, [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w)],
+          "combine")
+
+
+def test_round_trip_with_gpu_layout(dist_env, buffer):
+    """The targets.md setting through the whole public API (layout on the GPU, default configs):
+    combine(dispatch(x)) == x * (ranks each token reached); weights come back unchanged."""
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    mine = make_inputs(11, rank, 4096, HIDDEN, 256, 8, world)
+    topk_idx, topk_weights = dev(mine.topk_idx, device), dev(mine.topk_weights, device)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 256)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
+        dev(mine.x, device), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+    combined, weights, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
+    reached = mine.layout[3].sum(1, keepdim=True).float()
+    diff = calc_diff(combined.float().cpu(), mine.x.float() * reached)
+    weight_error = float((weights.cpu() - mine.topk_weights).abs().max())
+    check(dist_env, [f"calc_diff {diff} >= 5e-6" if diff >= 5e-6 else "",
+                     f"weights differ by {weight_error}" if weight_error >= 1e-9 else ""], "round trip")
+
+
+@pytest.mark.parametrize("seed, route, ns", [(21, "nowhere", (600,)), (22, "rank0", (500, 0)),
+                                             (23, "random", (0, 900)), (24, "rank0", (0, 313)),
+                                             (25, "nowhere", (1, 2, 3))])
+def test_uneven_loads(dist_env, buffer, seed, route, ns):
+    """Tokens going nowhere, ranks receiving nothing, N = 0 on some ranks, N differing by rank."""
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    inputs = all_inputs(dist_env, n_by_rank(ns, world), seed=seed, hidden=HIDDEN, num_experts=64,
+                        num_topk=6, route=route)
+    got = run_dispatch(buffer, inputs[rank], device, False)
+    check(dist_env, dispatch_errors(got, expected_dispatch(inputs, rank, 64, False), False), "dispatch")
+    xs, ws = combine_inputs(inputs, world, 64)
+    combined, weights, _ = buffer.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device),
+                                          bias=dev(torch.ones(len(inputs[rank].x), HIDDEN, dtype=torch.bfloat16), device))
+    want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws,
+                                    (torch.ones(len(inputs[rank].x), HIDDEN, dtype=torch.bfloat16), None))
+    check(dist_env, [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w)],
+          "combine")
+
+
+def test_without_topk(dist_env, buffer):
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    inputs = all_inputs(dist_env, n_by_rank((700, 50), world), seed=31, hidden=HIDDEN, num_experts=128,
+                        num_topk=4, fp8=True)
+    got = run_dispatch(buffer, inputs[rank], device, True, use_topk=False)
+    want = expected_dispatch(inputs, rank, 128, True, use_topk=False)
+    errors = dispatch_errors(got, want, True, use_topk=False)
+    errors.append("" if got[1] is None and got[2] is None else "recv top-k returned without top-k input")
+    check(dist_env, errors, "dispatch without top-k")
+    xs = [expected_dispatch(inputs, r, 128, False, use_topk=False)["recv_x"] for r in range(world)]
+    combined, weights, _ = buffer.combine(dev(xs[rank], device), got[4])
+    want_x, _ = oracle.combine(xs, [i.layout[3] for i in inputs], rank)
+    check(dist_env, [row_diff("combined_x", combined, want_x), "" if weights is None else "weights returned"],
+          "combine without weights")
+
+
+# ---- num_worst_tokens and CUDA graphs -------------------------------------------------------------
+@pytest.mark.parametrize("fp8", [False, True])
+def test_num_worst_tokens(dist_env, buffer, fp8):
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    ns = n_by_rank((900, 400), world)
+    inputs = all_inputs(dist_env, ns, seed=41, hidden=HIDDEN, num_experts=64, num_topk=8, fp8=fp8)
+    num_worst = sum(ns)
+    got = run_dispatch(buffer, inputs[rank], device, fp8, num_worst_tokens=num_worst)
+    # The oracle pads to num_worst_tokens: zero rows and scales, top-k -1 / 0, recv_src_idx -1, no
+    # per-expert list; its prefix is the exact dispatch.
+    want = expected_dispatch(inputs, rank, 64, fp8, num_worst_tokens=num_worst)
+    check(dist_env, dispatch_errors(got, want, fp8), "worst dispatch")
+    if not fp8:
+        recv_x, _, recv_w, _, handle, _ = got
+        combined, weights, _ = buffer.combine(recv_x, handle, topk_weights=recv_w)
+        reached = inputs[rank].layout[3].sum(1, keepdim=True).float()
+        diff = calc_diff(combined.float().cpu(), inputs[rank].x.float() * reached)
+        check(dist_env, [f"calc_diff {diff}" if diff >= 5e-6 else ""], "worst round trip")
+
+
+def test_cuda_graph_replay(dist_env, buffer):
+    """Worst-size dispatch + combine captured once, replayed with new data and new routing."""
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    ns = n_by_rank((640,), world)
+    num_worst, experts = sum(ns), 64
+
+    def fill(seed):
+        inputs = all_inputs(dist_env, ns, seed=seed, hidden=HIDDEN, num_experts=experts, num_topk=8)
+        mine = inputs[rank]
+        for dst, src in zip(static, (mine.x, mine.topk_idx, mine.topk_weights, *mine.layout[:1], mine.layout[2],
+                                     mine.layout[3])):
+            dst.copy_(src)
+        return inputs
+
+    first = all_inputs(dist_env, ns, seed=51, hidden=HIDDEN, num_experts=experts, num_topk=8)[rank]
+    static = [dev(t, device) for t in (first.x, first.topk_idx, first.topk_weights, first.layout[0],
+                                       first.layout[2], first.layout[3])]
+
+    def step():
+        x, idx, w, per_rank, per_expert, in_rank = static
+        out = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                              num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+                              num_worst_tokens=num_worst)
+        combined = buffer.combine(out[0], out[4], topk_weights=out[2])
+        return out, combined
+
+    fill(51)
+    step()   # compiles and sets up outside the capture
+    torch.cuda.synchronize()
+    dist_env.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, combined = step()
+    for seed in (52, 53, 54):
+        inputs = fill(seed)
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+        errors = dispatch_errors(out, expected_dispatch(inputs, rank, experts, False, num_worst_tokens=num_worst),
+                                 False)
+        reached = inputs[rank].layout[3].sum(1, keepdim=True).float()
+        diff = calc_diff(combined[0].float().cpu(), inputs[rank].x.float() * reached)
+        errors.append(f"replay combine calc_diff {diff}" if diff >= 5e-6 else "")
+        errors.append(row_diff("replay combined weights", combined[1], inputs[rank].topk_weights))
+        check(dist_env, errors, f"graph replay seed {seed}")
+
+
+# ---- streams, feature sets, ring reuse, errors ------------------------------------------------------
+@pytest.mark.parametrize("mode", ["async", "previous_event", "allocate_on_comm_stream"])
+def test_stream_options(dist_env, buffer, mode):
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    inputs = all_inputs(dist_env, n_by_rank((800,), world), seed=61, hidden=HIDDEN, num_experts=64, num_topk=8)
+    kw = dict(async_finish=True)
+    if mode != "async":
+        kw["previous_event"] = epcomm.Buffer.capture()
+    if mode == "allocate_on_comm_stream":
+        kw["allocate_on_comm_stream"] = True
+    got = run_dispatch(buffer, inputs[rank], device, False, **kw)
+    got[5].current_stream_wait()
+    check(dist_env, dispatch_errors(got, expected_dispatch(inputs, rank, 64, False), False), f"dispatch {mode}")
+    if mode != "async":
+        kw["previous_event"] = epcomm.Buffer.capture()
+    combined, weights, event = buffer.combine(got[0], got[4], topk_weights=got[2], **kw)
+    event.current_stream_wait()
+    reached = inputs[rank].layout[3].sum(1, keepdim=True).float()
+    diff = calc_diff(combined.float().cpu(), inputs[rank].x.float() * reached)
+    check(dist_env, [f"calc_diff {diff}" if diff >= 5e-6 else ""], f"combine {mode}")
+
+
+def test_sm80_feature_set(dist_env, buffer):
+    """EPCOMM_ARCH=sm80 selects the kernels compiled with EPCOMM_FEATURE_SM80 on this GPU."""
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    previous = os.environ.get("EPCOMM_ARCH")
+    os.environ["EPCOMM_ARCH"] = "sm80"
+    try:
+        from epcomm.runtime.arch import device_arch
+        feature = device_arch(device.index).feature
+        for fp8 in (False, True):
+            inputs = all_inputs(dist_env, n_by_rank((1000, 300), world), seed=71, hidden=HIDDEN, num_experts=64,
+                                num_topk=8, fp8=fp8)
+            got = run_dispatch(buffer, inputs[rank], device, fp8)
+            errors = dispatch_errors(got, expected_dispatch(inputs, rank, 64, fp8), fp8)
+            xs, ws = combine_inputs(inputs, world, 64)
+            combined, weights, _ = buffer.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device))
+            want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws)
+            errors += [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w),
+                       "" if feature == 80 else f"EPCOMM_ARCH=sm80 gave feature set {feature}"]
+            check(dist_env, errors, f"sm80 fp8={fp8}")
+    finally:
+        if previous is None:
+            os.environ.pop("EPCOMM_ARCH", None)
+        else:
+            os.environ["EPCOMM_ARCH"] = previous
+
+
+def small_buffer_bytes(world: int, ring_rows: int, num_topk: int, experts: int, sms: int) -> int:
+    chunks = plan.num_chunks(sms, world)
+    dispatch = plan.dispatch_staging_offset(world, experts // world, chunks) + \
+        (world - 1) * ring_rows * plan.dispatch_record_bytes(HIDDEN * 2, 0, num_topk)
+    combine = plan.combine_staging_offset(world) + (world - 1) * ring_rows * plan.combine_record_bytes(HIDDEN * 2, num_topk)
+    return -(-max(dispatch, combine) // 128) * 128
+
+
+def test_ring_reuse_with_a_small_buffer(dist_env):
+    """Rings far smaller than the streams: senders wait for consumed chunks, many times over."""
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    if world == 1:
+        pytest.skip("needs 2 or more ranks")
+    sms, experts = 24, 64
+    buf = epcomm.Buffer(dist_env.group, num_nvl_bytes=small_buffer_bytes(world, 40, 8, experts, sms),
+                        explicitly_destroy=True)
+    try:
+        for seed in (81, 82):
+            inputs = all_inputs(dist_env, n_by_rank((2048, 1536), world), seed=seed, hidden=HIDDEN,
+                                num_experts=experts, num_topk=8)
+            got = run_dispatch(buf, inputs[rank], device, False, config=epcomm.Config(sms))
+            errors = dispatch_errors(got, expected_dispatch(inputs, rank, experts, False), False)
+            xs, ws = combine_inputs(inputs, world, experts)
+            combined, weights, _ = buf.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device),
+                                               config=epcomm.Config(sms))
+            want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws)
+            errors += [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w)]
+            check(dist_env, errors, f"small ring seed {seed}")
+    finally:
+        torch.cuda.synchronize()
+        dist_env.barrier()
+        buf.destroy()
+
+
+def test_chunk_larger_than_ring_raises_before_launch(dist_env):
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    if world == 1:
+        pytest.skip("needs 2 or more ranks")
+    sms = 8
+    buf = epcomm.Buffer(dist_env.group, num_nvl_bytes=small_buffer_bytes(world, 4, 8, 64, sms),
+                        explicitly_destroy=True)
+    try:
+        inputs = all_inputs(dist_env, n_by_rank((4096,), world), seed=91, hidden=HIDDEN, num_experts=64, num_topk=8)
+        with pytest.raises(ValueError, match="does not fit"):
+            run_dispatch(buf, inputs[rank], device, False, config=epcomm.Config(sms))
+        # Nothing half-done: the Buffer still works for a call that fits.
+        small = all_inputs(dist_env, n_by_rank((16,), world), seed=92, hidden=HIDDEN, num_experts=64, num_topk=8)
+        got = run_dispatch(buf, small[rank], device, False, config=epcomm.Config(sms))
+        check(dist_env, dispatch_errors(got, expected_dispatch(small, rank, 64, False), False), "after the error")
+    finally:
+        torch.cuda.synchronize()
+        dist_env.barrier()
+        buf.destroy()
+
+
+def test_peer_timeout_names_the_peer(dist_env):
+    """The last rank skips a dispatch: every other rank gets PeerTimeout naming it, within the
+    Buffer's short timeout; the Buffer then says it is unusable and the process carries on."""
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    if world == 1:
+        pytest.skip("needs 2 or more ranks")
+    previous = os.environ.get("EPCOMM_TIMEOUT_S")
+    os.environ["EPCOMM_TIMEOUT_S"] = "3"
+    try:
+        buf = epcomm.Buffer(dist_env.group, num_nvl_bytes=hint_bytes(world), explicitly_destroy=True)
+    finally:
+        if previous is None:
+            os.environ.pop("EPCOMM_TIMEOUT_S")
+        else:
+            os.environ["EPCOMM_TIMEOUT_S"] = previous
+    skipper = world - 1
+    inputs = all_inputs(dist_env, n_by_rank((256,), world), seed=101, hidden=HIDDEN, num_experts=64, num_topk=8)
+    errors = []
+    if rank != skipper:
+        start = time.monotonic()
+        try:
+            run_dispatch(buf, inputs[rank], device, False)
+            errors.append("dispatch returned although a peer never joined")
+        except PeerTimeout as e:
+            elapsed = time.monotonic() - start
+            if e.peer != skipper or e.rank != rank or "dispatch" not in e.op:
+                errors.append(f"PeerTimeout names op {e.op!r} rank {e.rank} peer {e.peer}; want peer {skipper}")
+            if not 2.0 <= elapsed <= 60.0:
+                errors.append(f"raised after {elapsed:.1f} s with a 3 s timeout")
+            print(f"[rank {rank}] got the expected {e!r} after {elapsed:.1f} s", flush=True)
+        try:
+            run_dispatch(buf, inputs[rank], device, False)
+            errors.append("the Buffer accepted a call after a peer timeout")
+        except BufferUnusable:
+            pass
+    torch.cuda.synchronize()
+    dist_env.barrier()
+    check(dist_env, errors, "peer timeout")
+    # The peer that skipped is alive, so the teardown may be collective again.
+    buf._backend.nvshmem.peer_failed = False
+    dist_env.barrier()
+    buf.destroy()

@@ -1,0 +1,180 @@
+"""Intranode mode without a GPU: the kernels compile and link for both feature sets, the ctypes
+Params and the NVL header layout mirror the C++, the size hint is sane, and the routing tables and
+ring rules that the kernels implement (re-derived here in plain Python from their definitions in
+cuda_src/intranode.cu) reproduce the oracle's row order and never overwrite unconsumed rows."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from epcomm.config import Config
+from epcomm.ops import intranode
+from epcomm.ops import intranode_plan as plan
+from epcomm.reference import oracle
+from epcomm.runtime import compiler, options
+from epcomm.runtime.compiler import KernelSource
+
+# Every template parameter path: 1, 2, 3 and 8 ranks; BF16 and FP8 rows; both index types; fresh
+# and cached dispatch; an odd row (H = 2056 BF16 = 257 16-byte units) and a tiny one.
+KERNELS = (
+    plan.notify_kernel(1), plan.notify_kernel(2), plan.notify_kernel(3), plan.notify_kernel(8),
+    plan.dispatch_kernel(2, 7168 * 2, 0, "long long", True),
+    plan.dispatch_kernel(2, 7168, 56, "int", True),
+    plan.dispatch_kernel(2, 7168 * 2, 0, "int", False),
+    plan.dispatch_kernel(2, 7168, 56, "int", False),
+    plan.dispatch_kernel(3, 2056 * 2, 0, "long long", True),
+    plan.dispatch_kernel(8, 4096 * 2, 0, "int", True),
+    plan.dispatch_kernel(1, 16, 0, "int", True),
+    plan.combine_kernel(1, 16), plan.combine_kernel(2, 7168 * 2), plan.combine_kernel(3, 2056 * 2),
+    plan.combine_kernel(8, 4096 * 2),
+)
+
+
+@pytest.mark.parametrize("arch_sm, feature", [(80, 80), (90, 90), (90, 80)])
+def test_kernels_compile_and_link(arch_sm, feature):
+    built = compiler.compile_cubin(KernelSource("intranode.cu", KERNELS), arch_sm, feature)
+    assert built.cubin[:4] == b"\x7fELF"
+    assert set(built.lowered) == set(KERNELS)
+
+
+def test_representative_sources_are_intranode_kernels():
+    sources = intranode.representative_sources()
+    assert sources and all(s.source == "intranode.cu" and not s.uses_nvshmem for s in sources)
+    names = {k for s in sources for k in s.kernels}
+    assert any("notify_kernel" in k for k in names) and any("combine_kernel" in k for k in names)
+    assert any("true>" in k for k in names) and any("false>" in k for k in names)
+
+
+@pytest.mark.parametrize("struct", sorted(plan.PARAMS))
+def test_params_mirror_cpp(struct):
+    compiler.check_params_layout("intranode.cu", f"epcomm::intranode::{struct}", plan.PARAMS[struct])
+
+
+def test_header_and_constants_mirror_cpp():
+    lines = ['#include "intranode.cu"']
+    for ranks in (1, 2, 3, 8, 72):
+        lines.append(f"static_assert(epcomm::intranode::Header<{ranks}>::kBytes == {plan.header_bytes(ranks)}, "
+                     f"\"header bytes R={ranks}\");")
+    for name, value in (("kThreads", plan.THREADS), ("kNotifyThreads", plan.NOTIFY_THREADS),
+                        ("kMaxChunks", plan.MAX_CHUNKS), ("kParts", plan.PARTS_PER_CHUNK),
+                        ("kPhaseConfigMismatch", len(plan.PHASES) - 1)):
+        lines.append(f"static_assert(epcomm::intranode::{name} == {value}, \"{name}\");")
+    target = options.Target.make(90, 90)
+    try:
+        compiler._nvrtc_ltoir("\n".join(lines) + "\n", "intranode_check.cu",
+                              options.nvrtc_options(target, str(compiler.cuda_src_dir())), ())
+    except compiler._StageFailed as e:
+        pytest.fail(f"layout mirror mismatch:\n{e.log}", pytrace=False)
+
+
+def test_size_hint():
+    for ranks in (1, 2, 3, 8):
+        for hidden in (2048, 7168, 8192):
+            for sms in (8, 24, 48):
+                config = Config(sms)
+                hint = intranode.nvl_size_hint(config, hidden * 2, ranks)
+                assert hint % 128 == 0 and hint >= plan.header_bytes(ranks)
+                if ranks == 1:
+                    continue
+                chunks = plan.num_chunks(sms, ranks)
+                # Every call the hint is sized for fits: BF16 or FP8 rows, any top-k up to 32,
+                # up to 1024 local experts, a one-shot ring of HINT_RING_ROWS rows per peer.
+                for row_bytes, scales in ((hidden * 2, 0), (hidden, hidden // 128)):
+                    record = plan.dispatch_record_bytes(row_bytes, scales, 32)
+                    offset = plan.dispatch_staging_offset(ranks, 1024, chunks)
+                    assert plan.ring_rows(hint, offset, record, ranks, "t") >= plan.HINT_RING_ROWS
+                record = plan.combine_record_bytes(hidden * 2, 32)
+                assert plan.ring_rows(hint, plan.combine_staging_offset(ranks), record, ranks, "t") \
+                    >= plan.HINT_RING_ROWS
+    assert intranode.nvl_size_hint(Config(24), 14336, 8) > intranode.nvl_size_hint(Config(24), 14336, 2)
+    with pytest.raises(ValueError, match="too small"):
+        plan.ring_rows(plan.header_bytes(2) + 100, plan.combine_staging_offset(2), 14336, 2, "combine")
+
+
+def test_split_and_chunks():
+    for ranks in (1, 2, 8):
+        for sms in range(2, 134, 2):
+            d, c = plan.dispatch_split(sms, ranks), plan.combine_split(sms, ranks)
+            assert d.blocks == c.blocks == sms
+            assert 1 <= d.send_blocks <= sms and 0 <= c.send_blocks <= sms
+            assert (c.send_blocks == 0) == (ranks == 1)
+            assert 1 <= plan.num_chunks(sms, ranks) <= plan.MAX_CHUNKS
+
+
+# ---- the kernels' tables, from their definitions, against the oracle ----------------------------
+def tables(in_rank: torch.Tensor, chunks: int):
+    """(channel_prefix [R, G+1], send_head [N, R]) as notify_kernel defines them."""
+    n, ranks = in_rank.shape
+    tpc = plan.tokens_per_chunk(n, chunks)
+    prefix = torch.zeros(ranks, chunks + 1, dtype=torch.int64)
+    for g in range(chunks):
+        lo, hi = min(g * tpc, n), min(g * tpc + tpc, n)
+        prefix[:, g + 1] = prefix[:, g] + in_rank[lo:hi].sum(0)
+    head = torch.where(in_rank, in_rank.long().cumsum(0) - 1, -1)
+    return prefix, head
+
+
+def routing(seed: int, ranks: int, n_by_rank, experts: int, topk: int):
+    gen = torch.Generator().manual_seed(seed)
+    in_ranks = []
+    for n in n_by_rank:
+        idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(n)]) if n else \
+            torch.empty(0, topk, dtype=torch.long)
+        idx = idx.masked_fill(torch.rand(idx.shape, generator=gen) < 0.2, -1)
+        in_ranks.append(oracle.layout(idx, experts, ranks, ranks)[3])
+    return in_ranks
+
+
+@pytest.mark.parametrize("seed, ranks, n_by_rank, chunks", [
+    (0, 2, (300, 300), 16), (1, 2, (0, 77), 8), (2, 3, (50, 0, 129), 5), (3, 8, [40 * r for r in range(8)], 24),
+    (4, 1, (33,), 4), (5, 4, (1, 2, 3, 4), 1024)])
+def test_positions_match_oracle_order(seed, ranks, n_by_rank, chunks):
+    """Row k of pair (s -> j) at rank_prefix[s-1][j] + k, with k = send_head[t][j], gives exactly the
+    oracle's recv_src_idx for every rank; channel_prefix on the sender equals what the receiver
+    uses as recv_channel_prefix, and its chunks tile every stream."""
+    in_ranks = routing(seed, ranks, n_by_rank, 4 * ranks, 3)
+    rank_prefix = oracle.rank_prefix_matrix(in_ranks)
+    built = [tables(t, chunks) for t in in_ranks]
+    for j in range(ranks):
+        expected = oracle.dispatch([torch.zeros(len(t), 8) for t in in_ranks], None, None, None,
+                                   in_ranks, None, j)["recv_src_idx"]
+        got = torch.full((int(rank_prefix[-1, j]),), -7, dtype=torch.int32)
+        for s in range(ranks):
+            base = 0 if s == 0 else int(rank_prefix[s - 1, j])
+            prefix, head = built[s]
+            assert int(prefix[j, -1]) == int(in_ranks[s][:, j].sum())
+            for t in range(len(in_ranks[s])):
+                if head[t, j] >= 0:
+                    got[base + int(head[t, j])] = t
+            rows = prefix[j, 1:] - prefix[j, :-1]
+            assert (rows >= 0).all() and int(rows.max() if len(rows) else 0) <= plan.tokens_per_chunk(len(in_ranks[s]), chunks)
+        assert torch.equal(got, expected), (j, got, expected)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ring_rule_never_overwrites_unconsumed_rows(seed):
+    """Any order the blocks may run in: before chunk g is written, wait_ring_space has required the
+    consumption of every earlier chunk still holding a slot chunk g overwrites, and no chunk waits
+    for itself or a later chunk (no deadlock)."""
+    rnd = random.Random(seed)
+    chunks = rnd.randint(1, 60)
+    rows = [rnd.choice((0, 0, 1, 3, 7, 16)) for _ in range(chunks)]
+    prefix = [0]
+    for r in rows:
+        prefix.append(prefix[-1] + r)
+    ring = rnd.randint(max(rows + [1]), max(rows + [1]) + 20)
+    cursor = 0
+    required = set()
+    for g in range(chunks):
+        limit = prefix[g + 1] - ring          # wait_ring_space
+        while cursor < g and prefix[cursor] < limit:
+            required.add(cursor)
+            cursor += 1
+        assert all(x < g for x in required)
+        slots = {k % ring for k in range(prefix[g], prefix[g + 1])}
+        assert len(slots) == rows[g]          # a chunk never collides with itself
+        for x in range(g):
+            if {k % ring for k in range(prefix[x], prefix[x + 1])} & slots:
+                assert x in required, (g, x, prefix, ring)
