@@ -34,20 +34,10 @@
 // Fault tolerance. Waits go through WaitContext. With enable_shrink a peer that times out is masked
 // (mask[peer] = 1) and treated as sending nothing; without it the wait records a PeerTimeout and the
 // kernel winds down. Masked peers are neither sent to nor waited for.
-#include "common/nvshmem.cuh"
-#include "common/arch.cuh"
-#include "common/ptx.cuh"
-#include "common/timeout.cuh"
+#include "low_latency_protocol.cuh"
 
 namespace epcomm {
 namespace ll {
-
-constexpr int kSend = 1, kRecv = 2;          // Params::phases bits
-constexpr int kScaleChannels = 128;
-constexpr int kListHeaderBytes = 16;         // count (int) + padding, then the token indices
-constexpr float kFp8Max = 448.0f;
-constexpr float kFp8MaxInv = static_cast<float>(1.0 / 448.0);
-constexpr float kFp8AmaxFloor = 1e-4f;
 
 struct DispatchParams {
     const void *x;                     // [N, H] bf16
@@ -111,171 +101,6 @@ struct CombineParams {
     int op;
 };
 static_assert(sizeof(CombineParams) == 168, "mirrored by epcomm.ops.low_latency.CombineParams");
-
-// ---- small device helpers -------------------------------------------------------------------
-__device__ __forceinline__ int4 ld_cg_v4(const void *p) {   // L2 only: peers write this memory
-    int4 v;
-    asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ int ld_cg(const int *p) {
-    int v;
-    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ float ld_cg(const float *p) { return __int_as_float(ld_cg(reinterpret_cast<const int *>(p))); }
-__device__ __forceinline__ unsigned long long ld_volatile(const unsigned long long *p) {
-    return *reinterpret_cast<const volatile unsigned long long *>(p);
-}
-
-template <class T> __device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-// fp32 -> bf16, round to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16).
-__device__ __forceinline__ uint32_t bf16_bits(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) & 0x8000u) | 0x7fc0u;
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
-
-// fp32 -> e4m3fn byte, round to nearest even, saturating to +-448 (NaN stays NaN).
-#if defined(EPCOMM_FEATURE_SM90)
-__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {   // hardware cvt (sm_89+)
-    uint16_t r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-#else
-__device__ __forceinline__ uint32_t e4m3(float f) {   // bit-exact software conversion
-    const uint32_t u = __float_as_uint(f), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return sign | 0x7fu;                         // NaN
-    const float af = __uint_as_float(a);
-    if (af >= kFp8Max) return sign | 0x7eu;                            // satfinite
-    if (af < 0.015625f) return sign | static_cast<uint32_t>(__float2int_rn(af * 512.0f));  // subnormal: m * 2^-9
-    const uint32_t c = (a - (120u << 23));                             // rebias 127 -> 7
-    return sign | ((c + 0x7ffffu + ((c >> 20) & 1u)) >> 20);
-}
-__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) { return e4m3(lo) | (e4m3(hi) << 8); }
-#endif
-
-// Where `local` (an address in this rank's heap) lives on rank `dst` for direct stores.
-__device__ __forceinline__ char *on_peer(char *heap, const long long *bases, int rank, int dst, const void *local) {
-    const char *l = static_cast<const char *>(local);
-    return dst == rank ? const_cast<char *>(l) : reinterpret_cast<char *>(bases[dst]) + (l - heap);
-}
-
-enum Wait { kReady, kMasked, kFailed };
-
-// Bounded spin on a 64-bit tag; a masked peer (now or after a timeout under shrink) ends it.
-__device__ __forceinline__ Wait wait_tag(const WaitContext &ctx, const unsigned long long *tag,
-                                         unsigned long long want, int *mask, bool shrink, int peer, int phase) {
-    unsigned int spins = 0;
-    while (ld_acquire_sys(tag) != want) {
-        if ((++spins & 1023u) == 0) {
-            if (*reinterpret_cast<volatile int *>(mask + peer) != 0) return kMasked;
-            if (globaltimer_ns() > ctx.deadline_ns) {
-                if (shrink) {
-                    atomicExch(mask + peer, 1);
-                    return kMasked;
-                }
-                ctx.record(peer, phase);
-                return kFailed;
-            }
-            if (ctx.failed()) return kFailed;
-        }
-    }
-    return kReady;
-}
-
-// Shared state of one block: peer bases and mask snapshot, epochs, and the abort flag.
-template <int kRanks> struct BlockState {
-    long long peer_base[kRanks];
-    int masked[kRanks];
-    int abort;
-};
-
-template <int kRanks>
-__device__ void load_block_state(BlockState<kRanks> &s, const long long *peer_bases, const int *mask, int use_nvlink) {
-    for (int r = threadIdx.x; r < kRanks; r += blockDim.x) {
-        s.peer_base[r] = use_nvlink ? peer_bases[r] : 0;
-        s.masked[r] = *reinterpret_cast<const volatile int *>(mask + r);
-    }
-    if (threadIdx.x == 0) s.abort = 0;
-    __syncthreads();
-}
-
-// Before the n-th send on a set: every destination must have acknowledged n-1 receives there.
-template <int kRanks>
-__device__ void wait_released(BlockState<kRanks> &s, const WaitContext &ctx, const unsigned long long *acks,
-                              unsigned long long send_epoch, int *mask, bool shrink) {
-    for (int r = threadIdx.x; r < kRanks; r += blockDim.x) {
-        if (s.masked[r]) continue;
-        unsigned int spins = 0;
-        while (ld_acquire_sys(acks + r) + 1 < send_epoch) {
-            if ((++spins & 1023u) == 0 && (globaltimer_ns() > ctx.deadline_ns || ctx.failed())) {
-                if (shrink && !ctx.failed()) {
-                    atomicExch(mask + r, 1);
-                    s.masked[r] = 1;
-                } else {
-                    if (!ctx.failed()) ctx.record(r, 0);
-                    s.abort = 1;
-                }
-                break;
-            }
-        }
-    }
-    __syncthreads();
-}
-
-// End of a launch part: the last block to finish stores the new epoch (and, after a receive, tells
-// every live peer that this set may be written again).
-template <int kRanks>
-__device__ void finish_part(const BlockState<kRanks> &s, unsigned int *ticket, unsigned long long *epoch,
-                            unsigned long long value, unsigned long long *acks, const int *mask, char *heap,
-                            int rank, bool is_recv) {
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    __threadfence();
-    if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
-    __threadfence();
-    *ticket = 0;
-    *epoch = value;
-    if (!is_recv) return;
-    for (int r = 0; r < kRanks; ++r) {
-        if (s.masked[r] || *reinterpret_cast<const volatile int *>(mask + r)) continue;   // masked now or on a timeout
-        if (r == rank || s.peer_base[r] != 0)
-            st_release_sys(reinterpret_cast<unsigned long long *>(on_peer(heap, s.peer_base, rank, r, acks + rank)), value);
-        else
-            nvshmemx_signal_op(reinterpret_cast<uint64_t *>(acks + rank), value, NVSHMEM_SIGNAL_SET, r);
-    }
-}
-
-// How warps share (local expert, source) pairs: warp `gw` of `total` takes pairs p0, p0 + step, ...
-// and, within a pair, items j0, j0 + stride, ... (several warps per pair when warps outnumber pairs).
-struct PairSplit {
-    int p0, step, j0, stride;
-    __device__ PairSplit(int gw, int total, int pairs) {
-        if (total >= pairs) {
-            stride = total / pairs;
-            p0 = gw < pairs * stride ? gw % pairs : pairs;
-            j0 = gw / pairs;
-            step = pairs;   // one pair per warp
-        } else {
-            p0 = gw, step = total, j0 = 0, stride = 1;
-        }
-    }
-};
-
-template <class TopkT, int kExperts>
-__device__ __forceinline__ int expert_at(const void *topk_idx, long long i) {
-    const long long e = static_cast<long long>(__ldg(static_cast<const TopkT *>(topk_idx) + i));
-    return e >= 0 && e < kExperts ? static_cast<int>(e) : -1;
-}
 
 // ==== dispatch ===================================================================================
 template <int kHidden, bool kFP8> struct Message {
@@ -343,8 +168,8 @@ __device__ void cast_token(const int4 *x_row, char *msg, char *stage, int tid, i
     }
 }
 
-// Tokens a block casts at once (one group of warps each, K messages per token spread over the
-// group), bounded so their messages fit kSmemBudget of shared memory. Mirrored by
+// Most tokens a block casts at once (one group of warps each, K messages per token spread over
+// the group), bounded so their messages fit kSmemBudget of shared memory. Mirrored by
 // epcomm.ops.low_latency.dispatch_smem_bytes (checked by tests/test_low_latency_plan.py).
 template <int kHidden, int kTopK, bool kFP8, int kThreads> struct DispatchShape {
     static constexpr int kSmemBudget = 96 * 1024;
@@ -352,7 +177,6 @@ template <int kHidden, int kTopK, bool kFP8, int kThreads> struct DispatchShape 
     static constexpr int kByWarps = kTopK < kWarps ? kWarps / kTopK : 1;
     static constexpr int kBySmem = kSmemBudget / Message<kHidden, kFP8>::kBytes;
     static constexpr int kTokensPerRound = kByWarps < kBySmem ? kByWarps : (kBySmem > 0 ? kBySmem : 1);
-    static constexpr int kWarpsPerToken = kWarps / kTokensPerRound;
     static constexpr int kSmemBytes = kTokensPerRound * Message<kHidden, kFP8>::kBytes;
 };
 
@@ -367,22 +191,24 @@ __device__ void dispatch_send(const DispatchParams &p, const BlockState<kRanks> 
     const int warp = warp_id(), lane = lane_id();
 
     // Messages: a group of warps casts one token into shared memory, then each of its warps sends
-    // the copies of some of the token's top-k slots.
-    const int group = warp / Shape::kWarpsPerToken, in_group = warp % Shape::kWarpsPerToken;
-    for (int first = blockIdx.x * Shape::kTokensPerRound; first < p.num_tokens;
-         first += gridDim.x * Shape::kTokensPerRound) {
+    // the copies of some of the token's top-k slots. Blocks take one token each while there are
+    // fewer tokens than blocks (all warps cast it), up to kTokensPerRound otherwise.
+    const int per_round = min(Shape::kTokensPerRound, max(1, (p.num_tokens + gridDim.x - 1) / gridDim.x));
+    const int warps_per_token = kWarps / per_round;
+    const int group = warp / warps_per_token, in_group = warp % warps_per_token;
+    for (int first = blockIdx.x * per_round; first < p.num_tokens; first += gridDim.x * per_round) {
         const int t = first + group;
-        const bool mine = group < Shape::kTokensPerRound && t < p.num_tokens;
+        const bool mine = group < per_round && t < p.num_tokens;
         char *msg = smem + group * M::kBytes;
         char *stage = p.stage_for_puts ? p.message_stage + static_cast<long long>(t) * M::kBytes : nullptr;
         __syncthreads();   // the previous round's messages have left shared memory
         if (mine)
             cast_token<kHidden, kFP8, kRoundScale>(
                 reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + static_cast<long long>(t) * kHidden * 2),
-                msg, stage, in_group * 32 + lane, Shape::kWarpsPerToken * 32);
+                msg, stage, in_group * 32 + lane, warps_per_token * 32);
         __syncthreads();
         if (!mine) continue;
-        for (int k = in_group; k < kTopK; k += Shape::kWarpsPerToken) {
+        for (int k = in_group; k < kTopK; k += warps_per_token) {
             const int e = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + k);
             if (e < 0) continue;
             const int dst = e / kLocalExperts;
@@ -391,10 +217,9 @@ __device__ void dispatch_send(const DispatchParams &p, const BlockState<kRanks> 
             char *local_msg = p.messages + slot * M::kBytes;
             unsigned long long *local_tag = p.token_tags + slot;
             if (dst == p.rank || s.peer_base[dst] != 0) {
-                int4 *remote = reinterpret_cast<int4 *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_msg));
                 const int4 *src = reinterpret_cast<const int4 *>(msg);
-#pragma unroll 4
-                for (int i = lane; i < M::kBytes / 16; i += 32) st_cg_v4(remote + i, src[i]);
+                warp_copy(reinterpret_cast<int4 *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_msg)), M::kBytes / 16,
+                          lane, [&](int i) { return src[i]; });
                 __syncwarp();
                 if (lane == 0)
                     st_release_sys(reinterpret_cast<unsigned long long *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_tag)), epoch);
@@ -503,9 +328,8 @@ __device__ void dispatch_recv(const DispatchParams &p, const BlockState<kRanks> 
             __syncwarp();
             const char *msg = p.messages + slot * M::kBytes;
             const long long row = static_cast<long long>(el) * kSlots + begin + i;
-            int4 *out = reinterpret_cast<int4 *>(static_cast<char *>(p.recv_x) + row * M::kPayloadBytes);
-#pragma unroll 4
-            for (int j = lane; j < M::kPayloadBytes / 16; j += 32) out[j] = ld_cg_v4(msg + 16 * j);
+            warp_copy(reinterpret_cast<int4 *>(static_cast<char *>(p.recv_x) + row * M::kPayloadBytes),
+                      M::kPayloadBytes / 16, lane, [&](int j) { return ld_cg_v4(msg + 16 * j); });
             if constexpr (kFP8) {
                 const float *scales = reinterpret_cast<const float *>(msg + M::kPayloadBytes);
                 const long long column = begin + i;   // scales are column-major: [E_l][S][R*T]
@@ -578,8 +402,8 @@ __device__ void combine_send(const CombineParams &p, const BlockState<kRanks> &s
             char *local_slot = p.rows + (expert * kMaxTokens + t) * kRowBytes;
             unsigned long long *local_tag = p.row_tags + expert * kMaxTokens + t;
             if (direct) {
-                warp_copy_16B<true, 8>(reinterpret_cast<int4 *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_slot)),
-                                       reinterpret_cast<const int4 *>(src_row), kRowBytes / 16, lane);
+                warp_copy(reinterpret_cast<int4 *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_slot)), kRowBytes / 16,
+                          lane, [&](int i) { return ld_nc_v4(reinterpret_cast<const int4 *>(src_row) + i); });
                 __syncwarp();
                 if (lane == 0)
                     st_release_sys(reinterpret_cast<unsigned long long *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_tag)), epoch);
@@ -587,8 +411,8 @@ __device__ void combine_send(const CombineParams &p, const BlockState<kRanks> &s
                 const char *source = src_row;
                 if (!zero_copy) {   // puts read from the symmetric heap (registered for every transport)
                     char *stage = p.row_stage + row * kRowBytes;
-                    warp_copy_16B<true, 8>(reinterpret_cast<int4 *>(stage), reinterpret_cast<const int4 *>(src_row),
-                                           kRowBytes / 16, lane);
+                    warp_copy(reinterpret_cast<int4 *>(stage), kRowBytes / 16, lane,
+                              [&](int i) { return ld_nc_v4(reinterpret_cast<const int4 *>(src_row) + i); });
                     source = stage;
                 }
                 __threadfence_system();
@@ -640,6 +464,7 @@ __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s
 #pragma unroll
                 for (int b = 0; b < kBatch; ++b) {
                     const int k = k0 + b;
+                    v[b] = make_int4(0, 0, 0, 0);
                     if (k < kTopK && ((valid >> k) & 1u))
                         v[b] = ld_cg_v4(p.rows + (static_cast<long long>(experts[warp][k]) * kMaxTokens + t) * kRowBytes + 16 * c);
                 }

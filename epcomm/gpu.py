@@ -90,6 +90,13 @@ class GpuBackend(Backend):
                 self.nvl = SymmetricBuffer(self.nvshmem, num_nvl_bytes, self.device)
             if num_rdma_bytes > 0:
                 self.rdma = SymmetricBuffer(self.nvshmem, num_rdma_bytes, self.device)
+            # Kernels keep monotonic call counters and flags in these buffers; a heap address reused
+            # from an earlier Buffer must not carry its values, so start from zero on every rank
+            # before any peer can write (barrier_all synchronises the device first).
+            for buf in (self.nvl, self.rdma):
+                if buf is not None:
+                    buf.view(torch.uint8, (buf.nbytes,), 0).zero_()
+            self.nvshmem.barrier_all()
         except BaseException:
             for buf in (self.nvl, self.rdma):
                 if buf is not None:

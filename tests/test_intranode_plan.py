@@ -78,12 +78,11 @@ def test_size_hint():
                 assert hint % 128 == 0 and hint >= plan.header_bytes(ranks)
                 if ranks == 1:
                     continue
-                chunks = plan.num_chunks(sms, ranks)
                 # Every call the hint is sized for fits: BF16 or FP8 rows, any top-k up to 32,
                 # up to 1024 local experts, a one-shot ring of HINT_RING_ROWS rows per peer.
                 for row_bytes, scales in ((hidden * 2, 0), (hidden, hidden // 128)):
                     record = plan.dispatch_record_bytes(row_bytes, scales, 32)
-                    offset = plan.dispatch_staging_offset(ranks, 1024, chunks)
+                    offset = plan.dispatch_staging_offset(ranks, 1024)
                     assert plan.ring_rows(hint, offset, record, ranks, "t") >= plan.HINT_RING_ROWS
                 record = plan.combine_record_bytes(hidden * 2, 32)
                 assert plan.ring_rows(hint, plan.combine_staging_offset(ranks), record, ranks, "t") \

@@ -41,14 +41,14 @@ def nvl_size_hint(config, hidden_bytes: int, num_ranks: int) -> int:
 
 
 def representative_sources() -> List[KernelSource]:
-    """For --precompile: 2 and 8 ranks, H = 7168, BF16 and FP8 (56 scales), both index types."""
-    names = []
-    for ranks in (2, 8):
-        names += [plan.notify_kernel(ranks), plan.combine_kernel(ranks, 7168 * 2)]
-        for row_bytes, scales in ((7168 * 2, 0), (7168, 56)):
-            names += [plan.dispatch_kernel(ranks, row_bytes, scales, "long long", True),
-                      plan.dispatch_kernel(ranks, row_bytes, scales, "int", True),
-                      plan.dispatch_kernel(ranks, row_bytes, scales, "int", False)]
+    """For --precompile: H = 7168 on 2 and 8 ranks; BF16 and FP8 (56 scales), both index types,
+    fresh and cached dispatch, combine."""
+    names = [plan.notify_kernel(2), plan.notify_kernel(8),
+             plan.dispatch_kernel(2, 7168 * 2, 0, "long long", True),
+             plan.dispatch_kernel(2, 7168, 56, "int", True),
+             plan.dispatch_kernel(2, 7168 * 2, 0, "int", False),
+             plan.dispatch_kernel(8, 7168 * 2, 0, "long long", True),
+             plan.combine_kernel(2, 7168 * 2), plan.combine_kernel(8, 7168 * 2)]
     return [_source(name) for name in names]
 
 
@@ -56,9 +56,9 @@ def _source(name: str) -> KernelSource:
     return KernelSource("intranode.cu", (name,))
 
 
-def _kernel(gb, name: str, what: str):
-    kernel = get_kernel(_source(name), 0, gb.device_index, device_arch(gb.device_index).feature)
-    return kernel
+def _kernel(gb, name: str):
+    """The kernel for the device's feature set, read per call so EPCOMM_ARCH=sm80 can be set late."""
+    return get_kernel(_source(name), 0, gb.device_index, device_arch(gb.device_index).feature)
 
 
 # ---- checks and setup ------------------------------------------------------------------------
@@ -117,6 +117,10 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
     fresh = handle is None
 
     if fresh:
+        if num_worst_tokens == 0 and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{what}: an exact-size dispatch reads the received counts on the host, "
+                               f"which a CUDA graph cannot capture; pass num_worst_tokens > 0 (or a "
+                               f"cached handle) under capture")
         chunks = plan.num_chunks(config.num_sms, num_ranks)
         num_local_experts = num_tokens_per_expert.shape[0] // num_ranks
         rank_prefix, channel_prefix, recv_channel_prefix, send_head, info = _notify(
@@ -134,10 +138,9 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         rank_prefix, channel_prefix, recv_channel_prefix, _, is_token_in_rank, send_head = handle
         chunks = channel_prefix.shape[1] - 1
         num_local_experts, num_topk, index_type = 0, 0, "int"
-        num_out_rows = handle[3].shape[0]
-        num_worst_tokens, expert_counts = 0, None
+        num_out_rows = handle[3].shape[0]   # exact M, or num_worst_tokens of the fresh call
 
-    staging = plan.dispatch_staging_offset(num_ranks, num_local_experts, chunks) if fresh else \
+    staging = plan.dispatch_staging_offset(num_ranks, num_local_experts) if fresh else \
         plan.combine_staging_offset(num_ranks)
     record = plan.dispatch_record_bytes(row_bytes, num_scales, num_topk)
     rows = plan.ring_rows(gb.nvl.nbytes, staging, record, num_ranks, what)
@@ -152,7 +155,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         recv_topk_weights = torch.empty((num_out_rows, num_topk), dtype=torch.float32, device=device)
 
     split = plan.dispatch_split(config.num_sms, num_ranks)
-    kernel = _kernel(gb, plan.dispatch_kernel(num_ranks, row_bytes, num_scales, index_type, fresh), what)
+    kernel = _kernel(gb, plan.dispatch_kernel(num_ranks, row_bytes, num_scales, index_type, fresh))
     params = plan.DispatchParams(
         x=_ptr(x), x_scales=_ptr(x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
         rank_prefix=_ptr(rank_prefix), channel_prefix=_ptr(channel_prefix),
@@ -180,7 +183,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
 def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts):
     num_ranks, device = gb.num_ranks, gb.device
     num_tokens = is_token_in_rank.shape[0]
-    info = torch.empty((num_ranks * num_ranks + num_local_experts + 2,), dtype=torch.int32, device=device)
+    info = torch.empty((num_ranks * num_ranks + num_local_experts + 1,), dtype=torch.int32, device=device)
     channel_prefix = torch.empty((num_ranks, chunks + 1), dtype=torch.int32, device=device)
     recv_channel_prefix = torch.empty((num_ranks, chunks + 1), dtype=torch.int32, device=device)
     send_head = torch.empty((num_tokens, num_ranks), dtype=torch.int32, device=device)
@@ -192,7 +195,7 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
         notify_offset=plan.header_bytes(num_ranks), num_tokens=num_tokens, num_chunks=chunks,
         tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
         num_local_experts=num_local_experts, rank=gb.rank, op=DISPATCH_OP)
-    _launch(_kernel(gb, plan.notify_kernel(num_ranks), "dispatch"), 1, plan.NOTIFY_THREADS, params)
+    _launch(_kernel(gb, plan.notify_kernel(num_ranks)), 1, plan.NOTIFY_THREADS, params)
     rank_prefix = info[:num_ranks * num_ranks].view(num_ranks, num_ranks)
     return rank_prefix, channel_prefix, recv_channel_prefix, send_head, info
 
@@ -200,7 +203,8 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
 def _read_counts(gb, info, chunks, num_local_experts, expert_alignment, row_bytes, num_scales,
                  topk_idx, what):
     """Exact mode: wait for notify, read the counts; every rank reads the same rank_prefix_matrix
-    and N max, so the checks below raise on all ranks alike."""
+    and N max, so the checks below raise on all ranks alike. (Ranks with different Config.num_sms
+    or num_experts were recorded by the notify kernel: check_errors raises that.)"""
     num_ranks = gb.num_ranks
     host = torch.empty(info.shape, dtype=torch.int32, pin_memory=True)
     host.copy_(info, non_blocking=True)
@@ -209,13 +213,10 @@ def _read_counts(gb, info, chunks, num_local_experts, expert_alignment, row_byte
     values = host.tolist()
     rank_prefix = values[:num_ranks * num_ranks]
     experts = values[num_ranks * num_ranks:num_ranks * num_ranks + num_local_experts]
-    max_tokens, mismatches = values[-2], values[-1]
-    if mismatches:
-        raise ValueError(f"{what}: ranks cut their tokens into different numbers of chunks; use the "
-                         f"same Config (num_sms) on every rank")
+    max_tokens = values[-1]
     num_topk = 0 if topk_idx is None else topk_idx.shape[1]
     record = plan.dispatch_record_bytes(row_bytes, num_scales, num_topk)
-    staging = plan.dispatch_staging_offset(num_ranks, num_local_experts, chunks)
+    staging = plan.dispatch_staging_offset(num_ranks, num_local_experts)
     rows = plan.ring_rows(gb.nvl.nbytes, staging, record, num_ranks, what)
     chunk_rows = plan.tokens_per_chunk(max_tokens, chunks)
     if num_ranks > 1 and chunk_rows > rows:
@@ -258,6 +259,6 @@ def combine(gb, x, handle, topk_weights, bias, config):
         staging_offset=staging, ring_rows=rows, record_bytes=record, num_tokens=num_tokens,
         num_chunks=chunks, tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
         num_topk=num_topk, rank=gb.rank, num_send_blocks=split.send_blocks, op=COMBINE_OP)
-    _launch(_kernel(gb, plan.combine_kernel(num_ranks, row_bytes), what), split.blocks,
+    _launch(_kernel(gb, plan.combine_kernel(num_ranks, row_bytes)), split.blocks,
             plan.THREADS, params)
     return combined_x, combined_weights

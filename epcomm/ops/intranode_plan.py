@@ -38,7 +38,7 @@ PHASES = [
     "waiting for the peer to free receive-ring space",
     "a chunk has more rows than the receive ring (num_nvl_bytes too small)",
     "more rows received than num_worst_tokens",
-    "ranks use different chunk counts (Config.num_sms differs between ranks)",
+    "ranks use different chunk counts or expert counts (Config.num_sms or num_experts differ)",
 ]
 
 
@@ -91,9 +91,10 @@ def header_bytes(num_ranks: int) -> int:
     return ready + (4 + 4 + 8) * num_ranks * MAX_CHUNKS
 
 
-def notify_ints(num_ranks: int, num_local_experts: int, num_chunks: int) -> int:
-    """Ints one source writes into each rank's notify area (kernel: notify_ints)."""
-    return _align(4 + num_ranks + num_local_experts + num_chunks + 1, 4)
+def notify_ints(num_ranks: int, num_local_experts: int) -> int:
+    """Ints one source writes into each rank's notify area (the same formula as notify_kernel's
+    notify_ints; sized for MAX_CHUNKS so that a rank using another G is read at the right place)."""
+    return _align(4 + num_ranks + num_local_experts + MAX_CHUNKS + 1, 4)
 
 
 def dispatch_record_bytes(row_bytes: int, num_scales: int, num_topk: int) -> int:
@@ -104,8 +105,8 @@ def combine_record_bytes(row_bytes: int, num_topk: int) -> int:
     return _align(row_bytes + 4 * num_topk, 16)
 
 
-def dispatch_staging_offset(num_ranks: int, num_local_experts: int, num_chunks: int) -> int:
-    notify = num_ranks * notify_ints(num_ranks, num_local_experts, num_chunks) * 4
+def dispatch_staging_offset(num_ranks: int, num_local_experts: int) -> int:
+    notify = num_ranks * notify_ints(num_ranks, num_local_experts) * 4
     return _align(header_bytes(num_ranks) + notify, 256)
 
 
@@ -178,10 +179,9 @@ def nvl_size_hint(config, hidden_bytes: int, num_ranks: int) -> int:
     32 top-k entries. Fewer bytes still work (the rings are reused), down to one chunk per ring."""
     if num_ranks == 1:
         return combine_staging_offset(1)
-    chunks = num_chunks(config.num_sms, num_ranks)
     scales = -(-hidden_bytes // 256)   # FP8 rows: hidden_bytes = 2 * H, one scale per 128 channels
     record = max(dispatch_record_bytes(hidden_bytes, scales, MAX_TOPK),
                  combine_record_bytes(hidden_bytes, MAX_TOPK))
-    offset = dispatch_staging_offset(num_ranks, 1024, chunks)
+    offset = dispatch_staging_offset(num_ranks, 1024)
     return _align(offset + (num_ranks - 1) * HINT_RING_ROWS * record, 128)
 

@@ -70,12 +70,13 @@ def combine_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int,
 
 
 def representative_sources() -> List[KernelSource]:
-    """For `python -m epcomm.jit --precompile`: the targets.md setting (FP8 dispatch, BF16 combine,
-    2 ranks), power-of-two / UE8M0 scales on 8 ranks, and BF16 dispatch with int32 indices."""
-    return [dispatch_source(7168, 8, 2, 288, 128, True, False, False),
-            combine_source(7168, 8, 2, 288, 128),
-            dispatch_source(4096, 8, 8, 256, 256, True, True, True),
-            dispatch_source(2048, 16, 4, 64, 64, False, False, False, torch.int32)]
+    """For `python -m epcomm.jit --precompile`, in one unit: the targets.md setting (FP8 dispatch,
+    BF16 combine, 2 ranks), power-of-two / UE8M0 scales on 8 ranks, BF16 dispatch with int32 indices."""
+    kernels = (dispatch_source(7168, 8, 2, 288, 128, True, False, False).kernels
+               + combine_source(7168, 8, 2, 288, 128).kernels
+               + dispatch_source(4096, 8, 8, 256, 256, True, True, True).kernels
+               + dispatch_source(2048, 16, 4, 64, 64, False, False, False, torch.int32).kernels)
+    return [KernelSource("low_latency.cu", kernels, uses_nvshmem=True)]
 
 
 class _Plan:

@@ -95,16 +95,24 @@ def cuda_include_dirs() -> Tuple[str, ...]:
             raise ToolchainError(f"EPCOMM_CUDA_HOME={home}: expected {include}/cuda_runtime.h and "
                                  f"cuda/std/ under {include}/cccl or {include}")
         return tuple(dict.fromkeys([str(include), str(cccl)]))
-    tried = []
+    # Prefer one layout that has both; a wheel set without the CCCL wheel (as on images that ship
+    # a toolkit beside the wheels) borrows cuda/std from the next layout that has it.
+    tried, headers, cccls = [], [], []
     for what, include, cccl in _header_layouts(nvrtc_version()[0]):
         tried.append(f"{what} ({include})")
-        if not (include / "cuda_runtime.h").exists():
-            continue
-        cccl = cccl if cccl is not None and (cccl / "cuda" / "std").is_dir() else _cccl_dir(include)
-        if cccl is None:
-            raise ToolchainError(f"CUDA headers found at {include} but not CCCL (cuda/std/...): "
-                                 f"pip install nvidia-cuda-cccl (CUDA 13) / nvidia-cuda-cccl-cu12")
-        return tuple(dict.fromkeys([str(include), str(cccl)]))
+        if cccl is None or not (cccl / "cuda" / "std").is_dir():
+            cccl = _cccl_dir(include)
+        if (include / "cuda_runtime.h").exists():
+            if cccl is not None:
+                return tuple(dict.fromkeys([str(include), str(cccl)]))
+            headers.append(include)
+        elif cccl is not None:
+            cccls.append(cccl)
+    if headers and cccls:
+        return tuple(dict.fromkeys([str(headers[0]), str(cccls[0])]))
+    if headers:
+        raise ToolchainError(f"CUDA headers found at {headers[0]} but not CCCL (cuda/std/...): "
+                             f"pip install nvidia-cuda-cccl (CUDA 13) / nvidia-cuda-cccl-cu12")
     raise ToolchainError("CUDA headers (cuda_runtime.h) not found; tried " + ", ".join(tried)
                          + ". pip install nvidia-cuda-runtime nvidia-cuda-cccl (CUDA 13; "
                          "-cu12 for CUDA 12) or set EPCOMM_CUDA_HOME to a CUDA toolkit")

@@ -1,0 +1,188 @@
+"""Low-latency dispatch / combine (Buffer.low_latency_dispatch / low_latency_combine).
+
+Per setting: a correctness check (recv counts against the all-gathered routing, combine of the
+dequantised rows against sum_k w_k * x), then
+  * kernel time of each op (torch profiler, kernels of one call; as DeepEP's figure),
+  * whole-call time of each op and of dispatch + combine back to back (CUDA events around the
+    Python calls, L2 flushed, ranks aligned),
+  * hook mode: send and receive kernel times separately (CUDA events around each launch, the GPU
+    kept busy while the host queues it, so host time is not counted),
+  * an NCCL all_to_all_single moving the same bytes per rank pair, in the same run.
+Targets (targets.md, N=128 H=7168 K=8 E=288, FP8 dispatch / BF16 combine): dispatch <= 20 us,
+combine <= 28 us kernel time, dispatch + combine whole calls <= 50 us. Sweeps around that point:
+N in 1..512, H in 2048..8192, K in 4..16 (one axis at a time; each point is a new specialisation).
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from .baselines import torch_moe_name
+from .harness import (BenchContext, Case, Record, gbps, low_latency_combine_bytes, low_latency_dispatch_bytes)
+
+TARGET = dict(N=128, H=7168, K=8, E=288)
+TARGET_US = {"dispatch": 20.0, "combine": 28.0, "dispatch+combine": 50.0}
+SWEEP_N = (1, 8, 32, 128, 256, 512)
+SWEEP_H = (2048, 4096, 7168, 8192)
+SWEEP_K = (4, 8, 16)
+BUSY_CYCLES = 400_000   # ~200 us of torch.cuda._sleep: longer than the host needs to queue a call
+
+
+def _name(op: str, what: str, N: int, H: int, K: int, E: int) -> str:
+    return f"low-latency {op} N={N} H={H} K={K} E={E} ({what})"
+
+
+def _max_tokens(N: int) -> int:
+    return max(128, N)
+
+
+def _settings(quick: bool) -> List[dict]:
+    if quick:
+        return [dict(TARGET)]
+    points = [dict(TARGET, N=n) for n in SWEEP_N] + [dict(TARGET, H=h) for h in SWEEP_H] + \
+             [dict(TARGET, K=k) for k in SWEEP_K]
+    unique = []
+    for p in points:
+        if p not in unique:
+            unique.append(p)
+    return unique
+
+
+class _Setting:
+    """Inputs, buffer and the calls of one setting."""
+
+    def __init__(self, ctx: BenchContext, N: int, H: int, K: int, E: int, largest: dict):
+        self.ctx, self.N, self.H, self.K, self.E, self.T = ctx, N, H, K, E, _max_tokens(N)
+        # one Buffer sized for the largest point, so the sweep does not rebuild it
+        self.buffer = ctx.low_latency_buffer(_max_tokens(largest["N"]), largest["H"], largest["E"])
+        self.buffer.clean_low_latency_buffer(self.T, H, E)
+        inputs = ctx.inputs(N, H, E, K, seed=7)
+        self.x, self.topk_idx, self.topk_weights = inputs.x, inputs.topk_idx, inputs.topk_weights
+        self.E_l = E // ctx.world_size
+
+    def dispatch(self, **kw):
+        return self.buffer.low_latency_dispatch(self.x, self.topk_idx, self.T, self.E, **kw)
+
+    def combine(self, x, handle, **kw):
+        return self.buffer.low_latency_combine(x, self.topk_idx, self.topk_weights, handle, **kw)
+
+    def expert_input(self, recv):
+        """BF16 combine input from FP8 dispatch output (dequantised), as the expert GEMM would see."""
+        values, scales = recv
+        rows = values.float().view(*values.shape[:2], self.H // 128, 128) * scales.float()[..., None]
+        return rows.view(values.shape).to(torch.bfloat16)
+
+    def messages(self):
+        """(all messages, messages to other ranks) this rank sends."""
+        valid = self.topk_idx >= 0
+        remote = valid & (self.topk_idx // self.E_l != self.ctx.rank)
+        return int(valid.sum()), int(remote.sum())
+
+    def check(self):
+        ctx = self.ctx
+        recv, count, handle, _, _ = self.dispatch()
+        combined, _, _ = self.combine(self.expert_input(recv), handle)
+        torch.cuda.synchronize()
+        everyone = [torch.empty_like(self.topk_idx) for _ in range(ctx.world_size)]
+        dist.all_gather(everyone, self.topk_idx, group=ctx.group)
+        experts = torch.cat(everyone).flatten()
+        local = torch.arange(self.E_l, device=experts.device) + ctx.rank * self.E_l
+        want = (experts[None, :] == local[:, None]).sum(1).to(torch.int32)
+        ctx.check(torch.equal(count, want), f"recv_count differs from the all-gathered routing ({self.N}, {self.H}, "
+                                            f"{self.K})")
+        weight = (self.topk_weights * (self.topk_idx >= 0)).sum(1, keepdim=True).double()
+        ref, got = self.x.double() * weight, combined.double()
+        denominator = float((ref * ref + got * got).sum())
+        diff = 0.0 if denominator == 0 else 1 - 2 * float((ref * got).sum()) / denominator
+        ctx.check(diff < 9e-4, f"combine(dequantised dispatch) vs sum_k w_k x: calc_diff {diff:.3g} >= 9e-4")
+
+
+def _event_us(ctx: BenchContext, launch, before=None, after=None) -> float:
+    """Average GPU time of what `launch(state)` queues (state = before()), with the GPU kept busy
+    while the host queues it; after(result) runs outside the timed region."""
+    total = 0.0
+    for _ in range(ctx.iters):
+        ctx.align()
+        state = before() if before is not None else None
+        torch.cuda._sleep(BUSY_CYCLES)   # also lets the peers' data of `before` arrive
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = launch(state)
+        end.record()
+        if after is not None:
+            after(result)
+        torch.cuda.synchronize()
+        total += start.elapsed_time(end) * 1e3
+    return total / ctx.iters
+
+
+def _nccl_same_bytes(ctx: BenchContext, per_peer_bytes: int) -> float:
+    n = max(per_peer_bytes // 2, 1)
+    src = torch.zeros(n * ctx.world_size, dtype=torch.bfloat16, device=ctx.device)
+    dst = torch.empty_like(src)
+    return ctx.time_stats(lambda: dist.all_to_all_single(dst, src, group=ctx.group)).mean_us
+
+
+def _run(ctx: BenchContext, setting: dict, largest: dict) -> List[Record]:
+    N, H, K, E = (setting[k] for k in ("N", "H", "K", "E"))
+    s = _Setting(ctx, N, H, K, E, largest)
+    for _ in range(ctx.warmup):   # compile, load, warm the allocator
+        recv, _, handle, _, _ = s.dispatch()
+        s.combine(s.expert_input(recv), handle)
+    s.check()
+    recv, _, handle, _, _ = s.dispatch()
+    expert_x = s.expert_input(recv)
+    messages, remote = s.messages()
+    shape = dict(setting, R=ctx.world_size, T=s.T, messages=messages, remote_messages=remote, fp8_dispatch=True)
+    is_target = setting == TARGET
+    sms = ctx.num_device_sms
+    nbytes = {"dispatch": (low_latency_dispatch_bytes(messages, H), low_latency_dispatch_bytes(remote, H)),
+              "combine": (low_latency_combine_bytes(messages, H), low_latency_combine_bytes(remote, H))}
+    calls = {"dispatch": lambda: s.dispatch(), "combine": lambda: s.combine(expert_x, handle)}
+    records = []
+
+    def record(op, what, us, with_bytes=True, target=None, extra=None):
+        logical, nvlink = nbytes.get(op, (None, None)) if with_bytes else (None, None)
+        records.append(Record(_name(op, what, N, H, K, E), shape, us=us, sms=sms,
+                              logical_gbps=gbps(logical, us) if logical else None,
+                              nvlink_gbps=gbps(nvlink, us) if nvlink else None,
+                              baseline=torch_moe_name(op, N, H, K, E) if is_target else None,
+                              target=("us", "<=", TARGET_US[op]) if target and is_target else None,
+                              extra=extra or {}))
+
+    for op, fn in calls.items():
+        kernel_us, kernels = ctx.kernel_time_us(fn, match=f"{op}_kernel")
+        record(op, "kernel time", kernel_us, target=True, extra={"kernels_us_per_call": kernels})
+        timing = ctx.time_stats(fn)
+        record(op, "whole call", timing.mean_us, extra=timing.summary())
+
+    def round_trip():
+        r, _, h, _, _ = s.dispatch()
+        s.combine(expert_x, h)
+    timing = ctx.time_stats(round_trip)
+    record("dispatch+combine", "whole calls back to back", timing.mean_us, with_bytes=False, target=True,
+           extra=timing.summary())
+
+    # hook mode: the send launch alone (its hook runs after the timed region), then the receive
+    # launch alone (its send ran before, and the data arrived while the GPU was kept busy)
+    run_hook = lambda hook: hook()
+    for op, send in (("dispatch", lambda _: s.dispatch(return_recv_hook=True)[4]),
+                     ("combine", lambda _: s.combine(expert_x, handle, return_recv_hook=True)[2])):
+        record(op, "hook send kernel", _event_us(ctx, send, after=run_hook))
+        record(op, "hook recv kernel", _event_us(ctx, run_hook, before=lambda f=send: f(None)), with_bytes=False)
+
+    per_peer = nbytes["dispatch"][0] // ctx.world_size
+    records.append(Record(f"NCCL all_to_all_single, bytes of low-latency dispatch N={N} H={H} K={K} E={E}",
+                          dict(setting, per_peer_bytes=per_peer), us=_nccl_same_bytes(ctx, per_peer)))
+    torch.cuda.synchronize()
+    return records
+
+
+def cases(ctx: BenchContext):
+    settings = [s for s in _settings(ctx.quick) if s["E"] % ctx.world_size == 0]
+    largest = dict(N=max(s["N"] for s in settings), H=max(s["H"] for s in settings), E=TARGET["E"])
+    for setting in settings:
+        yield Case(_name("dispatch/combine", "all figures", **setting),
+                   lambda c, st=setting: _run(c, st, largest), dict(setting))

@@ -1,0 +1,178 @@
+// Intranode combine, device side: pusher and reducer warps (protocol: intranode.cu).
+#pragma once
+#include "intranode_common.cuh"
+
+namespace epcomm {
+namespace intranode {
+
+// ---- combine ----------------------------------------------------------------------------------
+__device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ unsigned int f32_to_bf16_rne(float f) {
+    const unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;   // NaN
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ void accumulate(float *acc, const int4 &v) {
+    const unsigned int w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc[2 * i] += bf16_lo(w[i]);
+        acc[2 * i + 1] += bf16_hi(w[i]);
+    }
+}
+
+template <int kRanks, int kRowInt4>
+struct Combine {
+    using PushSplit = RowSplit<kRowInt4, 8>;
+    // The reduction keeps one segment of every contributing rank in flight: <= 8 int4 per lane.
+    using ReduceSplit = RowSplit<kRowInt4, (8 / kRanks > 0 ? 8 / kRanks : 1)>;
+
+    // Warp-level pusher: for chunk g of every source s, the rows this rank received from s's
+    // chunk g go back into s's ring of this rank, with their top-k weights.
+    static __device__ void push(const CombineParams &p, char *const *peers, int *cursor,
+                                unsigned long long epoch, const WaitContext &ctx) {
+        const int lane = lane_id(), warp = warp_id(), rank = p.rank, stride = p.num_chunks + 1, k_top = p.num_topk;
+        for (int j = lane; j < kRanks; j += 32) cursor[j] = 0;
+        if (!wait_peers_idle<kRanks>(peers, rank, epoch, ctx)) return;
+        const long long ring_bytes = (long long)p.ring_rows * p.record_bytes;
+        const int row_bytes = kRowInt4 * 16;
+        for (int g = blockIdx.x; g < p.num_chunks; g += p.num_send_blocks) {
+            bool ok = true;
+            for (int s = lane; s < kRanks; s += 32) {
+                if (s == rank) continue;
+                const int *prefix = p.recv_channel_prefix + s * stride;
+                if (warp == 0 && __ldg(prefix + g + 1) - __ldg(prefix + g) > p.ring_rows)
+                    record_failure(p.err, p.op, rank, s, kPhaseChunkTooBig);
+                ok = ok && wait_ring_space<kRanks>(prefix, g, p.ring_rows, cursor + s,
+                                                   consumed_ptr<kRanks>(peers[rank], s, 0), s, epoch, ctx);
+            }
+            if (!__all_sync(0xffffffffu, ok)) return;
+            for (int i = 1; i < kRanks; ++i) {
+                const int s = (rank + i) % kRanks;
+                const int begin = __ldg(p.recv_channel_prefix + s * stride + g);
+                const int end = __ldg(p.recv_channel_prefix + s * stride + g + 1);
+                const int base = rows_before(p.rank_prefix, kRanks, s, rank);
+                char *ring = peers[s] + p.staging_offset + ring_index<kRanks>(rank, s) * ring_bytes;
+                for (int item = warp; item < (end - begin) * PushSplit::kSegs; item += kWarps) {
+                    const int k = begin + item / PushSplit::kSegs, seg = item % PushSplit::kSegs;
+                    const long long pos = base + k;
+                    const int4 *src = static_cast<const int4 *>(p.x) + pos * kRowInt4 + seg * PushSplit::kSegInt4;
+                    char *record = ring + (long long)(k % p.ring_rows) * p.record_bytes;
+                    int4 *dst = reinterpret_cast<int4 *>(record) + seg * PushSplit::kSegInt4;
+                    int4 v[PushSplit::kUnroll];
+#pragma unroll
+                    for (int u = 0; u < PushSplit::kUnroll; ++u)
+                        if (seg * PushSplit::kSegInt4 + u * 32 + lane < kRowInt4) v[u] = ld_nc_v4(src + u * 32 + lane);
+#pragma unroll
+                    for (int u = 0; u < PushSplit::kUnroll; ++u)
+                        if (seg * PushSplit::kSegInt4 + u * 32 + lane < kRowInt4) dst[u * 32 + lane] = v[u];
+                    if (seg == 0 && lane < k_top)
+                        reinterpret_cast<float *>(record + row_bytes)[lane] = p.topk_weights[pos * k_top + lane];
+                }
+            }
+            __syncwarp();
+            for (int s = lane; s < kRanks; s += 32)
+                if (s != rank) red_add_release_sys(ready_ptr<kRanks>(peers[s], rank, g), 1);
+        }
+    }
+
+    // Warp-level reducer: claims (chunk, part) of this rank's own tokens; once every peer signalled
+    // the chunk, sums bias0 + bias1 + the rows of ranks 0..R-1 (ascending, fp32) per token.
+    static __device__ void reduce(const CombineParams &p, char *const *peers, unsigned long long epoch,
+                                  const WaitContext &ctx) {
+        using S = ReduceSplit;
+        const int lane = lane_id(), rank = p.rank, stride = p.num_chunks + 1, k_top = p.num_topk;
+        const int n = p.num_tokens, tpc = p.tokens_per_chunk;
+        char *local = peers[rank];
+        auto *claim = reinterpret_cast<unsigned int *>(local + Header<kRanks>::kClaim);
+        const unsigned int total = (unsigned int)p.num_chunks * kParts;
+        const long long ring_bytes = (long long)p.ring_rows * p.record_bytes;
+        const int self_base = rows_before(p.rank_prefix, kRanks, rank, rank);
+        const int row_bytes = kRowInt4 * 16;
+        while (true) {
+            unsigned int c = 0;
+            if (lane == 0) c = atomicAdd(claim, 1u);
+            c = __shfl_sync(0xffffffffu, c, 0);
+            if (c >= total) return;
+            const int g = c / kParts, part = c % kParts;
+            bool ok = true;
+            for (int j = lane; j < kRanks; j += 32) {
+                if (j == rank) continue;
+                ok = ok && wait_at_least(ctx, ready_ptr<kRanks>(local, j, g), kWarps, j, kPhaseData);
+                if (part == 0 && __ldg(p.channel_prefix + j * stride + g + 1) - __ldg(p.channel_prefix + j * stride + g) > p.ring_rows)
+                    record_failure(p.err, p.op, rank, j, kPhaseChunkTooBig);
+            }
+            if (!__all_sync(0xffffffffu, ok)) return;
+            __syncwarp();
+
+            const int t0 = min(g * tpc, n), t1 = min(t0 + tpc, n);
+            for (int item = part; item < (t1 - t0) * S::kSegs; item += kParts) {
+                const int t = t0 + item / S::kSegs, seg = item % S::kSegs;
+                int head[kRanks];
+#pragma unroll
+                for (int j = 0; j < kRanks; ++j) head[j] = __ldg(p.send_head + (long long)t * kRanks + j);
+                int4 v[kRanks][S::kUnroll];
+#pragma unroll
+                for (int j = 0; j < kRanks; ++j) {
+                    if (head[j] < 0) continue;
+                    const int4 *src = j == rank
+                        ? static_cast<const int4 *>(p.x) + (long long)(self_base + head[j]) * kRowInt4
+                        : reinterpret_cast<const int4 *>(local + p.staging_offset + ring_index<kRanks>(j, rank) * ring_bytes +
+                                                         (long long)(head[j] % p.ring_rows) * p.record_bytes);
+                    src += seg * S::kSegInt4;
+#pragma unroll
+                    for (int u = 0; u < S::kUnroll; ++u)
+                        if (seg * S::kSegInt4 + u * 32 + lane < kRowInt4)
+                            v[j][u] = j == rank ? ld_nc_v4(src + u * 32 + lane) : ld_cg_v4(src + u * 32 + lane);
+                }
+#pragma unroll
+                for (int u = 0; u < S::kUnroll; ++u) {
+                    const int idx = seg * S::kSegInt4 + u * 32 + lane;
+                    if (idx >= kRowInt4) continue;
+                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                    if (p.bias0) accumulate(acc, ld_nc_v4(static_cast<const int4 *>(p.bias0) + (long long)t * kRowInt4 + idx));
+                    if (p.bias1) accumulate(acc, ld_nc_v4(static_cast<const int4 *>(p.bias1) + (long long)t * kRowInt4 + idx));
+#pragma unroll
+                    for (int j = 0; j < kRanks; ++j)
+                        if (head[j] >= 0) accumulate(acc, v[j][u]);
+                    int4 out;
+                    out.x = (int)(f32_to_bf16_rne(acc[0]) | (f32_to_bf16_rne(acc[1]) << 16));
+                    out.y = (int)(f32_to_bf16_rne(acc[2]) | (f32_to_bf16_rne(acc[3]) << 16));
+                    out.z = (int)(f32_to_bf16_rne(acc[4]) | (f32_to_bf16_rne(acc[5]) << 16));
+                    out.w = (int)(f32_to_bf16_rne(acc[6]) | (f32_to_bf16_rne(acc[7]) << 16));
+                    static_cast<int4 *>(p.combined_x)[(long long)t * kRowInt4 + idx] = out;
+                }
+                if (seg == 0 && lane < k_top) {
+                    float w = 0.f;
+#pragma unroll
+                    for (int j = 0; j < kRanks; ++j) {
+                        if (head[j] < 0) continue;
+                        w += j == rank ? p.topk_weights[(long long)(self_base + head[j]) * k_top + lane]
+                                       : __ldcg(reinterpret_cast<const float *>(
+                                             local + p.staging_offset + ring_index<kRanks>(j, rank) * ring_bytes +
+                                             (long long)(head[j] % p.ring_rows) * p.record_bytes + row_bytes) + lane);
+                    }
+                    p.combined_weights[(long long)t * k_top + lane] = w;
+                }
+            }
+            __syncwarp();
+            if (lane == 0) {
+                __threadfence();
+                int *parts = parts_ptr<kRanks>(local, 0, g);
+                if (atomicAdd(parts, 1) == kParts - 1) {
+                    __threadfence();
+                    *reinterpret_cast<volatile int *>(parts) = 0;
+                    for (int j = 0; j < kRanks; ++j)
+                        if (j != rank) *reinterpret_cast<volatile int *>(ready_ptr<kRanks>(local, j, g)) = 0;
+                    fence_acq_rel_sys();
+                    for (int j = 0; j < kRanks; ++j)
+                        if (j != rank) st_release_sys(consumed_ptr<kRanks>(peers[j], rank, g), epoch);
+                }
+            }
+        }
+    }
+};
+
+}  // namespace intranode
+}  // namespace epcomm

@@ -1,0 +1,234 @@
+// Shared pieces of the intranode kernels (cuda_src/intranode.cu has the protocol): constants,
+// the NVL buffer header, the Params structs mirrored in epcomm/ops/intranode_plan.py, signal
+// helpers and bounded waits.
+#pragma once
+#include "common/arch.cuh"
+#include "common/ptx.cuh"
+#include "common/timeout.cuh"
+
+namespace epcomm {
+namespace intranode {
+
+constexpr int kThreads = 512;              // data kernels
+constexpr int kWarps = kThreads / 32;      // = sender warps per chunk = ready count of a chunk
+constexpr int kNotifyThreads = 1024;
+constexpr int kMaxChunks = 1024;           // G <= kMaxChunks (signal arrays are sized by it)
+constexpr int kParts = 8;                  // a received chunk is claimed in kParts pieces
+constexpr int kErrorCapacity = 2;          // ErrorRecord.code for a size/config violation
+
+// Phases recorded in ErrorRecord.phase (named by PHASES in epcomm/ops/intranode_plan.py, same order).
+enum Phase : int {
+    kPhasePeerBusy = 0,      // waiting for a peer to finish its previous intranode kernel
+    kPhaseCounts = 1,        // notify: waiting for a peer's counts
+    kPhaseData = 2,          // waiting for a peer's rows of a chunk
+    kPhaseRingSpace = 3,     // waiting for a peer to consume rows that a new chunk overwrites
+    kPhaseChunkTooBig = 4,   // a chunk has more rows than the receive ring
+    kPhaseWorstTokens = 5,   // more rows received than num_worst_tokens
+    kPhaseConfigMismatch = 6 // ranks use different chunk counts or expert counts
+};
+
+// Header of every rank's NVL buffer, then (dispatch only) the notify area, then the rings.
+template <int kRanks>
+struct Header {
+    static constexpr long long kEpoch = 0;          // u64, local
+    static constexpr long long kFinished = 8;       // u32, local: blocks done with this kernel
+    static constexpr long long kClaim = 12;         // u32, local: next receive claim
+    static constexpr long long kDone = 64;          // u64[R]
+    static constexpr long long kNotifyFlag = kDone + 8LL * kRanks;
+    static constexpr long long kReady = (kNotifyFlag + 8LL * kRanks + 127) / 128 * 128;  // u32[R][G]
+    static constexpr long long kParts = kReady + 4LL * kRanks * kMaxChunks;  // u32[R][G], local
+    static constexpr long long kConsumed = kParts + 4LL * kRanks * kMaxChunks;  // u64[R][G]
+    static constexpr long long kBytes = kConsumed + 8LL * kRanks * kMaxChunks;
+};
+
+struct NotifyParams {
+    const bool *is_token_in_rank;    // [N, R]
+    const int *num_tokens_per_expert;  // [E]
+    int *info;                       // [R*R + E_l + 1]: rank_prefix | expert counts | max N of all ranks
+    int *channel_prefix;             // [R, G+1]
+    int *recv_channel_prefix;        // [R, G+1]
+    int *send_head;                  // [N, R]
+    const long long *peer_bases;     // [R] NVL buffer of each rank in this process's address space
+    ErrorRecord *err;
+    unsigned long long timeout_ns;
+    long long notify_offset;         // bytes from the buffer base to the notify area
+    int num_tokens, num_chunks, tokens_per_chunk, num_local_experts;
+    int rank, op;
+};
+static_assert(sizeof(NotifyParams) == 104, "NotifyParams is mirrored in epcomm/ops/intranode_plan.py");
+
+struct DispatchParams {
+    const void *x;                   // [N, H] bf16 or e4m3
+    const float *x_scales;           // [N, S] any strides, or null
+    const void *topk_idx;            // [N, K] IdxT, or null
+    const float *topk_weights;       // [N, K]
+    const int *rank_prefix;          // [R, R]
+    const int *channel_prefix;       // [R, G+1]
+    const int *recv_channel_prefix;  // [R, G+1]
+    const int *send_head;            // [N, R]
+    void *recv_x;                    // [M_out, H]
+    float *recv_x_scales;            // [M_out, S]
+    void *recv_topk_idx;             // [M_out, K] IdxT
+    float *recv_topk_weights;        // [M_out, K]
+    int *recv_src_idx;               // [M_out]
+    const long long *peer_bases;
+    ErrorRecord *err;
+    long long scale_stride_token, scale_stride_group;  // elements
+    unsigned long long timeout_ns;
+    long long staging_offset;
+    int ring_rows, record_bytes, num_tokens, num_chunks, tokens_per_chunk, num_topk;
+    int num_local_experts, num_out_rows, rank, num_send_blocks, op, pad_;
+};
+static_assert(sizeof(DispatchParams) == 200, "DispatchParams is mirrored in epcomm/ops/intranode_plan.py");
+
+struct CombineParams {
+    const void *x;                   // [M, H] bf16, this rank's dispatch row order
+    const float *topk_weights;       // [M, K] or null
+    const void *bias0, *bias1;       // [N, H] bf16 or null
+    const int *rank_prefix, *channel_prefix, *recv_channel_prefix, *send_head;
+    void *combined_x;                // [N, H] bf16
+    float *combined_weights;         // [N, K]
+    const long long *peer_bases;
+    ErrorRecord *err;
+    unsigned long long timeout_ns;
+    long long staging_offset;
+    int ring_rows, record_bytes, num_tokens, num_chunks, tokens_per_chunk, num_topk;
+    int rank, num_send_blocks, op, pad_;
+};
+static_assert(sizeof(CombineParams) == 152, "CombineParams is mirrored in epcomm/ops/intranode_plan.py");
+
+// ---- small helpers ---------------------------------------------------------------------------
+__device__ __forceinline__ void red_add_release_sys(int *p, int v) {
+    asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Rows that peers write while the kernel runs: L2 only, never a stale L1 line.
+__device__ __forceinline__ int4 ld_cg_v4(const int4 *p) {
+    int4 v;
+    asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ unsigned long long ld_volatile_u64(const void *p) {
+    return *static_cast<const volatile unsigned long long *>(p);
+}
+__device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned long long *p) {
+    unsigned long long v;
+    asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Bounded waits for a value another GPU release-writes: poll with relaxed loads (an acquire load
+// per spin would invalidate the SM's L1 each time), then one acquire load of the same word
+// synchronises with the writer (a fence would also wait for this warp's own pending stores).
+__device__ __forceinline__ bool wait_at_least(const WaitContext &ctx, const int *p, int target, int peer,
+                                              int phase) {
+    if (!ctx.wait(peer, phase, [&] { return ld_relaxed_sys(p) >= target; })) return false;
+    return ld_acquire_sys(p) >= target;
+}
+__device__ __forceinline__ bool wait_at_least(const WaitContext &ctx, const unsigned long long *p,
+                                              unsigned long long target, int peer, int phase) {
+    if (!ctx.wait(peer, phase, [&] { return ld_relaxed_sys_u64(p) >= target; })) return false;
+    return ld_acquire_sys(p) >= target;
+}
+
+__device__ __noinline__ void record_failure(ErrorRecord *err, int op, int rank, int peer, int phase) {
+    if (atomicCAS(&err->code, kOk, kErrorCapacity) == kOk) {
+        err->op = op;
+        err->rank = rank;
+        err->peer = peer;
+        err->phase = phase;
+        __threadfence_system();
+    }
+}
+
+template <int kRanks> __device__ __forceinline__ int *ready_ptr(char *base, int peer, int chunk) {
+    return reinterpret_cast<int *>(base + Header<kRanks>::kReady) + peer * kMaxChunks + chunk;
+}
+template <int kRanks> __device__ __forceinline__ int *parts_ptr(char *base, int peer, int chunk) {
+    return reinterpret_cast<int *>(base + Header<kRanks>::kParts) + peer * kMaxChunks + chunk;
+}
+template <int kRanks>
+__device__ __forceinline__ unsigned long long *consumed_ptr(char *base, int peer, int chunk) {
+    return reinterpret_cast<unsigned long long *>(base + Header<kRanks>::kConsumed) + peer * kMaxChunks + chunk;
+}
+template <int kRanks> __device__ __forceinline__ unsigned long long *done_ptr(char *base, int peer) {
+    return reinterpret_cast<unsigned long long *>(base + Header<kRanks>::kDone) + peer;
+}
+template <int kRanks> __device__ __forceinline__ unsigned long long *notify_flag_ptr(char *base, int peer) {
+    return reinterpret_cast<unsigned long long *>(base + Header<kRanks>::kNotifyFlag) + peer;
+}
+// Ring of pair (src -> dst) inside dst's buffer: peers other than dst, in order after dst.
+template <int kRanks> __device__ __forceinline__ int ring_index(int src, int dst) {
+    return (src - dst - 1 + kRanks) % kRanks;
+}
+__device__ __forceinline__ int rows_before(const int *rank_prefix, int num_ranks, int src, int dst) {
+    return src == 0 ? 0 : __ldg(rank_prefix + (src - 1) * num_ranks + dst);
+}
+
+// Every block loads the peer table into shared memory; returns this kernel's epoch.
+template <int kRanks>
+__device__ __forceinline__ unsigned long long kernel_begin(char **peers, const long long *peer_bases, int rank) {
+    for (int j = threadIdx.x; j < kRanks; j += blockDim.x) peers[j] = reinterpret_cast<char *>(peer_bases[j]);
+    __syncthreads();
+    return ld_volatile_u64(peers[rank] + Header<kRanks>::kEpoch) + 1;
+}
+
+// The last block to finish publishes the epoch locally and as `done` to every peer.
+template <int kRanks>
+__device__ __forceinline__ void kernel_end(char *const *peers, int rank, unsigned long long epoch) {
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    char *local = peers[rank];
+    auto *finished = reinterpret_cast<unsigned int *>(local + Header<kRanks>::kFinished);
+    __threadfence();
+    if (atomicAdd(finished, 1u) != gridDim.x - 1) return;
+    __threadfence();
+    *finished = 0;
+    *reinterpret_cast<volatile unsigned int *>(local + Header<kRanks>::kClaim) = 0;
+    *reinterpret_cast<volatile unsigned long long *>(local + Header<kRanks>::kEpoch) = epoch;
+    fence_acq_rel_sys();
+    for (int j = 0; j < kRanks; ++j)
+        if (j != rank) st_release_sys(done_ptr<kRanks>(peers[j], rank), epoch);
+}
+
+// Lanes wait (one peer each) until every peer finished its previous kernel. False on failure.
+template <int kRanks>
+__device__ __forceinline__ bool wait_peers_idle(char *const *peers, int rank, unsigned long long epoch,
+                                                const WaitContext &ctx) {
+    bool ok = true;
+    for (int j = lane_id(); j < kRanks; j += 32) {
+        if (j == rank) continue;
+        ok = ok && wait_at_least(ctx, done_ptr<kRanks>(peers[rank], j), epoch - 1, j, kPhasePeerBusy);
+    }
+    return __all_sync(0xffffffffu, ok);
+}
+
+// Before a sender writes chunk g of pair (self -> peer) (stream rows [prefix[g], prefix[g+1])), every
+// chunk whose rows it overwrites (stream start < prefix[g+1] - ring_rows) must be consumed. `cursor`
+// = chunks already known consumed (they are checked in order). One lane per peer.
+template <int kRanks>
+__device__ __forceinline__ bool wait_ring_space(const int *prefix, int g, int ring_rows, int *cursor,
+                                                const unsigned long long *consumed, int peer,
+                                                unsigned long long epoch, const WaitContext &ctx) {
+    const int limit = __ldg(prefix + g + 1) - ring_rows;
+    int x = *cursor;
+    while (x < g && __ldg(prefix + x) < limit) {
+        if (!wait_at_least(ctx, consumed + x, epoch, peer, kPhaseRingSpace)) return false;
+        ++x;
+    }
+    *cursor = x;
+    return true;
+}
+
+// Row copy geometry: a row of kRowInt4 16-byte units is moved in kSegs segments of up to 32*kUnroll
+// units, each by one warp with kUnroll loads in flight per lane.
+template <int kRowInt4, int kMaxUnroll>
+struct RowSplit {
+    static constexpr int kPerLane = (kRowInt4 + 31) / 32;
+    static constexpr int kSegs = (kPerLane + kMaxUnroll - 1) / kMaxUnroll;
+    static constexpr int kUnroll = (kPerLane + kSegs - 1) / kSegs;
+    static constexpr int kSegInt4 = 32 * kUnroll;
+};
+
+}  // namespace intranode
+}  // namespace epcomm

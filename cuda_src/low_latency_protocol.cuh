@@ -1,0 +1,205 @@
+// Building blocks of the low-latency kernels (cuda_src/low_latency.cu, where the protocol is
+// described): ordered / L2-only loads, warp copies, bf16 and e4m3 conversions, bounded waits on
+// tags, the per-block peer state, buffer-set release (acks) and the end-of-launch ticket.
+#pragma once
+#include "common/nvshmem.cuh"
+#include "common/arch.cuh"
+#include "common/ptx.cuh"
+#include "common/timeout.cuh"
+
+namespace epcomm {
+namespace ll {
+
+constexpr int kSend = 1, kRecv = 2;          // Params::phases bits
+constexpr int kScaleChannels = 128;
+constexpr int kListHeaderBytes = 16;         // count (int) + padding, then the token indices
+constexpr float kFp8Max = 448.0f;
+constexpr float kFp8MaxInv = static_cast<float>(1.0 / 448.0);
+constexpr float kFp8AmaxFloor = 1e-4f;
+
+// ---- small device helpers -------------------------------------------------------------------
+__device__ __forceinline__ int4 ld_cg_v4(const void *p) {   // L2 only: peers write this memory
+    int4 v;
+    asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ int ld_cg(const int *p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float ld_cg(const float *p) { return __int_as_float(ld_cg(reinterpret_cast<const int *>(p))); }
+__device__ __forceinline__ unsigned long long ld_volatile(const unsigned long long *p) {
+    return *reinterpret_cast<const volatile unsigned long long *>(p);
+}
+
+// Warp copy of n16 16-byte units: each lane first loads kBatch units (predicated, so no serial
+// tail), then stores them, keeping kBatch loads in flight. `load(i)` reads unit i of the source.
+template <int kBatch = 8, class Load>
+__device__ __forceinline__ void warp_copy(int4 *dst, int n16, int lane, Load load) {
+    for (int base = 0; base < n16; base += kBatch * 32) {
+        int4 v[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < n16) v[u] = load(i);
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < n16) st_cg_v4(dst + i, v[u]);
+        }
+    }
+}
+
+template <class T> __device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+// fp32 -> bf16, round to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16).
+__device__ __forceinline__ uint32_t bf16_bits(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) & 0x8000u) | 0x7fc0u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+// fp32 -> e4m3fn byte, round to nearest even, saturating to +-448 (NaN stays NaN).
+#if defined(EPCOMM_FEATURE_SM90)
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {   // hardware cvt (sm_89+)
+    uint16_t r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+#else
+__device__ __forceinline__ uint32_t e4m3(float f) {   // bit-exact software conversion
+    const uint32_t u = __float_as_uint(f), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7fu;                         // NaN
+    const float af = __uint_as_float(a);
+    if (af >= kFp8Max) return sign | 0x7eu;                            // satfinite
+    if (af < 0.015625f) return sign | static_cast<uint32_t>(__float2int_rn(af * 512.0f));  // subnormal: m * 2^-9
+    const uint32_t c = (a - (120u << 23));                             // rebias 127 -> 7
+    return sign | ((c + 0x7ffffu + ((c >> 20) & 1u)) >> 20);
+}
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) { return e4m3(lo) | (e4m3(hi) << 8); }
+#endif
+
+// Where `local` (an address in this rank's heap) lives on rank `dst` for direct stores.
+__device__ __forceinline__ char *on_peer(char *heap, const long long *bases, int rank, int dst, const void *local) {
+    const char *l = static_cast<const char *>(local);
+    return dst == rank ? const_cast<char *>(l) : reinterpret_cast<char *>(bases[dst]) + (l - heap);
+}
+
+enum Wait { kReady, kMasked, kFailed };
+
+// Bounded spin on a 64-bit tag; a masked peer (now or after a timeout under shrink) ends it.
+__device__ __forceinline__ Wait wait_tag(const WaitContext &ctx, const unsigned long long *tag,
+                                         unsigned long long want, int *mask, bool shrink, int peer, int phase) {
+    unsigned int spins = 0;
+    while (ld_acquire_sys(tag) != want) {
+        if ((++spins & 1023u) == 0) {
+            if (*reinterpret_cast<volatile int *>(mask + peer) != 0) return kMasked;
+            if (globaltimer_ns() > ctx.deadline_ns) {
+                if (shrink) {
+                    atomicExch(mask + peer, 1);
+                    return kMasked;
+                }
+                ctx.record(peer, phase);
+                return kFailed;
+            }
+            if (ctx.failed()) return kFailed;
+        }
+    }
+    return kReady;
+}
+
+// Shared state of one block: peer bases and mask snapshot, epochs, and the abort flag.
+template <int kRanks> struct BlockState {
+    long long peer_base[kRanks];
+    int masked[kRanks];
+    int abort;
+};
+
+template <int kRanks>
+__device__ void load_block_state(BlockState<kRanks> &s, const long long *peer_bases, const int *mask, int use_nvlink) {
+    for (int r = threadIdx.x; r < kRanks; r += blockDim.x) {
+        s.peer_base[r] = use_nvlink ? peer_bases[r] : 0;
+        s.masked[r] = *reinterpret_cast<const volatile int *>(mask + r);
+    }
+    if (threadIdx.x == 0) s.abort = 0;
+    __syncthreads();
+}
+
+// Before the n-th send on a set: every destination must have acknowledged n-1 receives there.
+template <int kRanks>
+__device__ void wait_released(BlockState<kRanks> &s, const WaitContext &ctx, const unsigned long long *acks,
+                              unsigned long long send_epoch, int *mask, bool shrink) {
+    for (int r = threadIdx.x; r < kRanks; r += blockDim.x) {
+        if (s.masked[r]) continue;
+        unsigned int spins = 0;
+        while (ld_acquire_sys(acks + r) + 1 < send_epoch) {
+            if ((++spins & 1023u) == 0 && (globaltimer_ns() > ctx.deadline_ns || ctx.failed())) {
+                if (shrink && !ctx.failed()) {
+                    atomicExch(mask + r, 1);
+                    s.masked[r] = 1;
+                } else {
+                    if (!ctx.failed()) ctx.record(r, 0);
+                    s.abort = 1;
+                }
+                break;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// End of a launch part: the last block to finish stores the new epoch (and, after a receive, tells
+// every live peer that this set may be written again).
+template <int kRanks>
+__device__ void finish_part(const BlockState<kRanks> &s, unsigned int *ticket, unsigned long long *epoch,
+                            unsigned long long value, unsigned long long *acks, const int *mask, char *heap,
+                            int rank, bool is_recv) {
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    __threadfence();
+    if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
+    __threadfence();
+    *ticket = 0;
+    *epoch = value;
+    if (!is_recv) return;
+    for (int r = 0; r < kRanks; ++r) {
+        if (s.masked[r] || *reinterpret_cast<const volatile int *>(mask + r)) continue;   // masked now or on a timeout
+        if (r == rank || s.peer_base[r] != 0)
+            st_release_sys(reinterpret_cast<unsigned long long *>(on_peer(heap, s.peer_base, rank, r, acks + rank)), value);
+        else
+            nvshmemx_signal_op(reinterpret_cast<uint64_t *>(acks + rank), value, NVSHMEM_SIGNAL_SET, r);
+    }
+}
+
+// How warps share (local expert, source) pairs: warp `gw` of `total` takes pairs p0, p0 + step, ...
+// and, within a pair, items j0, j0 + stride, ... (several warps per pair when warps outnumber pairs).
+struct PairSplit {
+    int p0, step, j0, stride;
+    __device__ PairSplit(int gw, int total, int pairs) {
+        if (total >= pairs) {
+            stride = total / pairs;
+            p0 = gw < pairs * stride ? gw % pairs : pairs;
+            j0 = gw / pairs;
+            step = pairs;   // one pair per warp
+        } else {
+            p0 = gw, step = total, j0 = 0, stride = 1;
+        }
+    }
+};
+
+template <class TopkT, int kExperts>
+__device__ __forceinline__ int expert_at(const void *topk_idx, long long i) {
+    const long long e = static_cast<long long>(__ldg(static_cast<const TopkT *>(topk_idx) + i));
+    return e >= 0 && e < kExperts ? static_cast<int>(e) : -1;
+}
+
+}  // namespace ll
+}  // namespace epcomm
