@@ -487,7 +487,7 @@ def test_peer_timeout_names_the_peer(dist_env):
             os.environ["EPCOMM_TIMEOUT_S"] = previous
     skipper = world - 1
     inputs = all_inputs(dist_env, n_by_rank((256,), world), seed=101, hidden=HIDDEN, num_experts=64, num_topk=8)
-    # One call on every rank first: the first intranode call on a Buffer is a collective setup.
+    # A correct call on every rank first, so the timeout below is the only thing that differs.
     got = run_dispatch(buf, inputs[rank], device, False)
     errors = dispatch_errors(got, expected_dispatch(inputs, rank, 64, False), False)
     torch.cuda.synchronize()

@@ -18,7 +18,6 @@ G comes from Config.num_sms (intranode_plan.num_chunks) and must be equal on eve
 """
 from __future__ import annotations
 
-import weakref
 from typing import List, Optional
 
 import torch
@@ -33,7 +32,6 @@ from . import intranode_plan as plan
 DISPATCH_OP = register_op("intranode dispatch", plan.PHASES)
 COMBINE_OP = register_op("intranode combine", plan.PHASES)
 _INDEX_TYPES = {torch.int64: "long long", torch.int32: "int"}
-_READY = weakref.WeakSet()   # GpuBackends whose NVL header has been zeroed on every rank
 
 
 def nvl_size_hint(config, hidden_bytes: int, num_ranks: int) -> int:
@@ -63,30 +61,21 @@ def _kernel(gb, name: str):
 
 # ---- checks and setup ------------------------------------------------------------------------
 def _prepare(gb, config, what: str) -> None:
-    """Per-call checks, and the first-use zeroing of the NVL header on every rank."""
+    """Per-call checks. (The NVL buffer, hence the signal header, is zero from construction.)"""
     if gb.nvl is None:
         raise ValueError(f"{what}: intranode mode needs an NVL buffer; build the Buffer with "
                          f"num_nvl_bytes > 0 (Config.get_nvl_buffer_size_hint gives a good size)")
     if config.num_sms > gb.arch.num_sms:
         raise ValueError(f"{what}: Config.num_sms={config.num_sms} exceeds the device's "
                          f"{gb.arch.num_sms} SMs")
-    unreachable = [r for r, ptr in enumerate(gb.nvl.peer_ptrs) if not ptr]
-    if unreachable:
-        raise ValueError(f"{what}: ranks {unreachable} are not reachable over NVLink/P2P from rank "
-                         f"{gb.rank}; intranode mode needs every rank in one NVLink domain")
-    if gb in _READY:
-        return
     header = plan.header_bytes(gb.num_ranks)
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"{what}: the first intranode call on a Buffer sets up its NVL buffer "
-                           f"with a barrier and cannot be captured in a CUDA graph; call "
-                           f"dispatch once before capturing")
     if header > gb.nvl.nbytes:
         raise ValueError(f"{what}: num_nvl_bytes={gb.nvl.nbytes} is smaller than the {header}-byte "
-                         f"signal header of {gb.num_ranks} ranks")
-    gb.nvl.view(torch.uint8, (header,), 0).zero_()
-    gb.nvshmem.barrier_all()   # synchronises the GPU first: every rank's header is zero after it
-    _READY.add(gb)
+                         f"signal header of {gb.num_ranks} ranks (Config.get_nvl_buffer_size_hint)")
+    if not all(gb.nvl.peer_ptrs):
+        unreachable = [r for r, ptr in enumerate(gb.nvl.peer_ptrs) if not ptr]
+        raise ValueError(f"{what}: ranks {unreachable} are not reachable over NVLink/P2P from rank "
+                         f"{gb.rank}; intranode mode needs every rank in one NVLink domain")
 
 
 def _aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
