@@ -2,11 +2,16 @@
 
 Per setting: a correctness check (recv counts against the all-gathered routing, combine of the
 dequantised rows against sum_k w_k * x), then
-  * kernel time of each op (torch profiler, kernels of one call; as DeepEP's figure),
+  * kernel time of each op (torch profiler kernel durations, as DeepEP's figure), with every call
+    queued behind a long sleep on both ranks first, so the kernels run back to back and neither the
+    host's issue time nor the other rank's host skew is counted as kernel time,
   * whole-call time of each op and of dispatch + combine back to back (CUDA events around the
     Python calls, L2 flushed, ranks aligned),
-  * hook mode: send and receive kernel times separately (CUDA events around each launch, the GPU
-    kept busy while the host queues it, so host time is not counted),
+  * hook mode: send and receive kernel times separately (profiler kernel durations, a sleep between
+    send and hook standing in for the expert GEMM, as DeepEP's test does; the CUDA-event figures
+    around each launch, which include the launch itself, are kept in `extra`),
+  * host issue time of one call (Buffer call, and the backend / ops-module call alone), the GPU
+    kept busy so no launch waits,
   * an NCCL all_to_all_single moving the same bytes per rank pair, in the same run.
 Targets (targets.md, N=128 H=7168 K=8 E=288, FP8 dispatch / BF16 combine): dispatch <= 20 us,
 combine <= 28 us kernel time, dispatch + combine whole calls <= 50 us. Sweeps around that point:
@@ -14,6 +19,8 @@ N in 1..512, H in 2048..8192, K in 4..16 (one axis at a time; each point is a ne
 """
 from __future__ import annotations
 
+import statistics
+import time
 from typing import List
 
 import torch
@@ -28,6 +35,8 @@ SWEEP_N = (1, 8, 32, 128, 256, 512)
 SWEEP_H = (2048, 4096, 7168, 8192)
 SWEEP_K = (4, 8, 16)
 BUSY_CYCLES = 400_000   # ~200 us of torch.cuda._sleep: longer than the host needs to queue a call
+GAP_CYCLES = 100_000    # ~50 us between a hook's send and receive launches: the peer's data arrives
+QUEUE_CYCLES_PER_CALL = 2_000_000   # ~1 ms of sleep per queued call: the host (profiled) queues them all
 
 
 def _name(op: str, what: str, N: int, H: int, K: int, E: int) -> str:
@@ -75,10 +84,14 @@ class _Setting:
         return rows.view(values.shape).to(torch.bfloat16)
 
     def messages(self):
-        """(all messages, messages to other ranks) this rank sends."""
+        """(all messages, messages to other ranks) this rank sends, counted per (token, expert) as
+        targets.md defines them, and the (token, other rank) pairs: what dispatch moves over NVLink."""
         valid = self.topk_idx >= 0
         remote = valid & (self.topk_idx // self.E_l != self.ctx.rank)
-        return int(valid.sum()), int(remote.sum())
+        ranks = torch.arange(self.ctx.world_size, device=self.topk_idx.device)
+        reached = ((self.topk_idx[:, :, None] // self.E_l == ranks) & valid[:, :, None]).any(1)
+        reached[:, self.ctx.rank] = False
+        return int(valid.sum()), int(remote.sum()), int(reached.sum())
 
     def check(self):
         ctx = self.ctx
@@ -118,6 +131,50 @@ def _event_us(ctx: BenchContext, launch, before=None, after=None) -> float:
     return total / ctx.iters
 
 
+def _queued_kernels(ctx: BenchContext, queue, match: str, calls: int):
+    """Profiler durations (us, launch order) of the kernels named `match` that `queue()` launches,
+    `calls` times, all queued behind one long sleep on every rank: they run back to back, so the
+    figures hold no host time and no host skew between ranks. -> (durations, host_was_late):
+    host_was_late means the GPU drained the queue before the host finished filling it. The first
+    call also absorbs the difference between the ranks' sleeps (torch.cuda._sleep counts cycles of
+    each GPU's own clock: ~300 us apart after 10 ms), so callers average the calls after it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ctx.align()
+        torch.cuda._sleep(QUEUE_CYCLES_PER_CALL * calls)
+        slept = torch.cuda.Event()
+        slept.record()
+        for _ in range(calls):
+            queue()
+        late = slept.query()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and match in e.name),
+                    key=lambda e: e.time_range.start)
+    return [e.time_range.elapsed_us() for e in events], late
+
+
+def _after_first(durations: List[float]) -> dict:
+    """Mean over the calls after the first (see _queued_kernels), the median, the first, all."""
+    rest = durations[1:] or durations
+    return {"mean_us": statistics.fmean(rest) if rest else None, "median_us": statistics.median(rest) if rest else None,
+            "first_us": durations[0] if durations else None, "all_us": [round(d, 2) for d in durations]}
+
+
+def _host_us(ctx: BenchContext, call, calls: int) -> float:
+    """Median host time to issue `call()` with the GPU busy (no launch waits on the device)."""
+    times = []
+    ctx.align()
+    for _ in range(calls):
+        torch.cuda._sleep(BUSY_CYCLES)
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def _nccl_same_bytes(ctx: BenchContext, per_peer_bytes: int) -> float:
     n = max(per_peer_bytes // 2, 1)
     src = torch.zeros(n * ctx.world_size, dtype=torch.bfloat16, device=ctx.device)
@@ -134,8 +191,9 @@ def _run(ctx: BenchContext, setting: dict, largest: dict) -> List[Record]:
     s.check()
     recv, _, handle, _, _ = s.dispatch()
     expert_x = s.expert_input(recv)
-    messages, remote = s.messages()
-    shape = dict(setting, R=ctx.world_size, T=s.T, messages=messages, remote_messages=remote, fp8_dispatch=True)
+    messages, remote, remote_tokens = s.messages()
+    shape = dict(setting, R=ctx.world_size, T=s.T, messages=messages, remote_messages=remote,
+                 remote_token_sends=remote_tokens, fp8_dispatch=True)
     is_target = setting == TARGET
     sms = ctx.num_device_sms
     nbytes = {"dispatch": (low_latency_dispatch_bytes(messages, H), low_latency_dispatch_bytes(remote, H)),
@@ -153,8 +211,12 @@ def _run(ctx: BenchContext, setting: dict, largest: dict) -> List[Record]:
                               extra=extra or {}))
 
     for op, fn in calls.items():
-        kernel_us, kernels = ctx.kernel_time_us(fn, match=f"{op}_kernel")
-        record(op, "kernel time", kernel_us, target=True, extra={"kernels_us_per_call": kernels})
+        if ctx.is_gpu:
+            durations, late = _queued_kernels(ctx, fn, f"{op}_kernel", ctx.iters + 1)
+            stats = _after_first(durations)
+            record(op, "kernel time", stats["mean_us"], target=True,
+                   extra=dict(stats, host_was_late=late, dispatch_nvlink_bytes=(
+                       low_latency_dispatch_bytes(remote_tokens, H) if op == "dispatch" else None)))
         timing = ctx.time_stats(fn)
         record(op, "whole call", timing.mean_us, extra=timing.summary())
 
@@ -164,14 +226,36 @@ def _run(ctx: BenchContext, setting: dict, largest: dict) -> List[Record]:
     timing = ctx.time_stats(round_trip)
     record("dispatch+combine", "whole calls back to back", timing.mean_us, with_bytes=False, target=True,
            extra=timing.summary())
+    if not ctx.is_gpu:   # kernel, hook and host-issue figures need a GPU
+        return records
 
-    # hook mode: the send launch alone (its hook runs after the timed region), then the receive
-    # launch alone (its send ran before, and the data arrived while the GPU was kept busy)
+    # hook mode, profiler: send launch, ~50 us of sleep (the expert GEMM), receive launch, queued;
+    # the kernels alternate send / receive. CUDA events (launch included) go to `extra`: the send
+    # launch alone (its hook runs after the timed region), then the receive launch alone (its send
+    # ran before, and the data arrived while the GPU was kept busy).
     run_hook = lambda hook: hook()
     for op, send in (("dispatch", lambda _: s.dispatch(return_recv_hook=True)[4]),
                      ("combine", lambda _: s.combine(expert_x, handle, return_recv_hook=True)[2])):
-        record(op, "hook send kernel", _event_us(ctx, send, after=run_hook))
-        record(op, "hook recv kernel", _event_us(ctx, run_hook, before=lambda f=send: f(None)), with_bytes=False)
+        def hooked(send=send):
+            hook = send(None)
+            torch.cuda._sleep(GAP_CYCLES)
+            hook()
+        durations, late = _queued_kernels(ctx, hooked, f"{op}_kernel", ctx.iters + 1)
+        sends, recvs = _after_first(durations[0::2]), _after_first(durations[1::2])
+        record(op, "hook send kernel", sends["mean_us"],
+               extra=dict(sends, events_us_incl_launch=_event_us(ctx, send, after=run_hook), host_was_late=late))
+        record(op, "hook recv kernel", recvs["mean_us"], with_bytes=False,
+               extra=dict(recvs, events_us_incl_launch=_event_us(ctx, run_hook, before=lambda f=send: f(None))))
+
+    # host issue time of one call: the whole Buffer call, and the backend (ops module + launch) alone
+    backend = getattr(s.buffer, "_backend", None)
+    host = {"dispatch": (calls["dispatch"], (lambda: backend.low_latency_dispatch(
+                s.x, s.topk_idx, s.T, s.E, None, None, True, False, False, False)) if backend else None),
+            "combine": (calls["combine"], (lambda: backend.low_latency_combine(
+                expert_x, s.topk_idx, s.topk_weights, handle, False, False, False, None, None)) if backend else None)}
+    for op, (buffer_call, backend_call) in host.items():
+        extra = {"backend_call_us": _host_us(ctx, backend_call, ctx.iters) if backend_call else None}
+        record(op, "host issue time", _host_us(ctx, buffer_call, ctx.iters), with_bytes=False, extra=extra)
 
     per_peer = nbytes["dispatch"][0] // ctx.world_size
     records.append(Record(f"NCCL all_to_all_single, bytes of low-latency dispatch N={N} H={H} K={K} E={E}",

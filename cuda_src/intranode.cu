@@ -23,7 +23,8 @@
 //   notify_flag[s] u64: epoch at which s's counts arrived.
 // `epoch` counts this rank's intranode kernels (device-resident; bumped by the last block to
 // finish), so CUDA-graph replays and repeated calls need nothing from the host.
-// Every wait on a peer is bounded (WaitContext); other failures are recorded with kErrorCapacity.
+// Every wait on a peer is bounded (Guard: WaitContext's deadline and ErrorRecord, see
+// intranode_common.cuh); other failures are recorded with kErrorCapacity.
 #pragma once
 #include "intranode_common.cuh"
 #include "intranode_dispatch.cuh"
@@ -40,7 +41,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
     const int warp = warp_id(), lane = lane_id(), num_warps = kNotifyThreads / 32;
     if (threadIdx.x == 0) failed = 0;
     const unsigned long long epoch = kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
-    const WaitContext ctx = WaitContext::make(p.err, p.timeout_ns, p.op, p.rank);
+    const Guard ctx = Guard::make(peers[p.rank], p.err, p.timeout_ns, p.op, p.rank);
+    trace_set(p.trace, kTrStart, trace_now());
     const int n = p.num_tokens, num_chunks = p.num_chunks, tpc = p.tokens_per_chunk, stride = num_chunks + 1;
     const int num_le = p.num_local_experts;
     // The stride does not depend on G, so a rank with another G is still read correctly (and caught).
@@ -99,6 +101,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
         __syncwarp();
         if (lane == 0) st_release_sys(notify_flag_ptr<kRanks>(peers[j], p.rank), epoch);
     }
+    trace_set(p.trace, kTrIdle, trace_now());
 
     // While the counts travel: send_head[t][j] = stream index of token t in pair (self -> j), or -1.
     for (int g = warp; g < num_chunks; g += num_warps) {
@@ -115,10 +118,12 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
         }
     }
 
+    trace_set(p.trace, kTrSent, trace_now());
     for (int s = threadIdx.x; s < kRanks; s += kNotifyThreads) {
         if (!wait_at_least(ctx, notify_flag_ptr<kRanks>(peers[p.rank], s), epoch, s, kPhaseCounts)) failed = 1;
     }
     __syncthreads();
+    trace_set(p.trace, kTrFirstData, trace_now());
     if (!failed) {
         const int *area = reinterpret_cast<const int *>(peers[p.rank] + p.notify_offset);
         for (int idx = threadIdx.x; idx < kRanks * kRanks; idx += kNotifyThreads) {
@@ -141,12 +146,12 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
             for (int s = 0; s < kRanks; ++s) {
                 max_tokens = max(max_tokens, __ldcg(area + s * notify_ints + 1));
                 if (__ldcg(area + s * notify_ints) != num_chunks || __ldcg(area + s * notify_ints + 2) != num_le)
-                    record_failure(p.err, p.op, p.rank, s, kPhaseConfigMismatch);
+                    ctx.violation(s, kPhaseConfigMismatch);
             }
             p.info[kRanks * kRanks + num_le] = max_tokens;
         }
     }
-    kernel_end<kRanks>(peers, p.rank, epoch);
+    kernel_end<kRanks>(peers, p.rank, epoch, p.trace);
 }
 
 // ---- kernels of dispatch and combine (their warps: intranode_dispatch.cuh, intranode_combine.cuh)
@@ -155,16 +160,19 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     using D = Dispatch<kRanks, kRowInt4, kScales, IdxT, kFresh>;
     __shared__ char *peers[kRanks];
     __shared__ int cursors[kWarps][kRanks];
+    __shared__ SendShared send_shared;
+    send_shared.zero();   // kernel_begin's __syncthreads orders this before any arrival
     const unsigned long long epoch = kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
-    const WaitContext ctx = WaitContext::make(p.err, p.timeout_ns, p.op, p.rank);
+    const Guard ctx = Guard::make(peers[p.rank], p.err, p.timeout_ns, p.op, p.rank);
+    trace_set(p.trace, kTrStart, trace_now());
     // After any recorded failure the routing tables may be garbage (e.g. a notify that timed out):
     // touch nothing, only keep the epoch bookkeeping.
     if (!ctx.failed()) {
-        if ((int)blockIdx.x < p.num_send_blocks) D::send(p, peers, cursors[warp_id()], epoch, ctx);
+        if ((int)blockIdx.x < p.num_send_blocks) D::send(p, peers, cursors[warp_id()], send_shared.arrivals, epoch, ctx);
         if (kRanks > 1) D::receive(p, peers, epoch, ctx);
         D::pad(p);
     }
-    kernel_end<kRanks>(peers, p.rank, epoch);
+    kernel_end<kRanks>(peers, p.rank, epoch, p.trace);
 }
 
 template <int kRanks, int kRowInt4>
@@ -172,13 +180,16 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     using C = Combine<kRanks, kRowInt4>;
     __shared__ char *peers[kRanks];
     __shared__ int cursors[kWarps][kRanks];
+    __shared__ SendShared send_shared;
+    send_shared.zero();   // kernel_begin's __syncthreads orders this before any arrival
     const unsigned long long epoch = kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
-    const WaitContext ctx = WaitContext::make(p.err, p.timeout_ns, p.op, p.rank);
+    const Guard ctx = Guard::make(peers[p.rank], p.err, p.timeout_ns, p.op, p.rank);
+    trace_set(p.trace, kTrStart, trace_now());
     if (!ctx.failed()) {
-        if ((int)blockIdx.x < p.num_send_blocks) C::push(p, peers, cursors[warp_id()], epoch, ctx);
+        if ((int)blockIdx.x < p.num_send_blocks) C::push(p, peers, cursors[warp_id()], send_shared.arrivals, epoch, ctx);
         C::reduce(p, peers, epoch, ctx);
     }
-    kernel_end<kRanks>(peers, p.rank, epoch);
+    kernel_end<kRanks>(peers, p.rank, epoch, p.trace);
 }
 
 }  // namespace intranode

@@ -24,26 +24,29 @@ __device__ __forceinline__ void accumulate(float *acc, const int4 &v) {
 
 template <int kRanks, int kRowInt4>
 struct Combine {
-    using PushSplit = RowSplit<kRowInt4, 8>;
-    // The reduction keeps one segment of every contributing rank in flight: <= 8 int4 per lane.
-    using ReduceSplit = RowSplit<kRowInt4, (8 / kRanks > 0 ? 8 / kRanks : 1)>;
+    using PushSplit = RowSplit<kRowInt4, kMaxUnroll>;
+    // The reduction keeps one segment of every contributing rank in flight: <= kMaxUnroll int4 per lane.
+    using ReduceSplit = RowSplit<kRowInt4, (kMaxUnroll / kRanks > 0 ? kMaxUnroll / kRanks : 1)>;
 
     // Warp-level pusher: for chunk g of every source s, the rows this rank received from s's
-    // chunk g go back into s's ring of this rank, with their top-k weights.
+    // chunk g go back into s's ring of this rank, with their top-k weights. Items go round-robin
+    // over the block's warps across chunks and sources; chunk_done signals the peers.
     static __device__ void push(const CombineParams &p, char *const *peers, int *cursor,
-                                unsigned long long epoch, const WaitContext &ctx) {
+                                unsigned int *arrivals, unsigned long long epoch, const Guard &ctx) {
         const int lane = lane_id(), warp = warp_id(), rank = p.rank, stride = p.num_chunks + 1, k_top = p.num_topk;
         for (int j = lane; j < kRanks; j += 32) cursor[j] = 0;
         if (!wait_peers_idle<kRanks>(peers, rank, epoch, ctx)) return;
+        trace_set(p.trace, kTrIdle, trace_now());
         const long long ring_bytes = (long long)p.ring_rows * p.record_bytes;
         const int row_bytes = kRowInt4 * 16;
-        for (int g = blockIdx.x; g < p.num_chunks; g += p.num_send_blocks) {
+        int rotate = 0;   // items of this block's earlier (chunk, source) streams, mod kWarps
+        for (int g = blockIdx.x, chunk = 0; g < p.num_chunks; g += p.num_send_blocks, ++chunk) {
             bool ok = true;
             for (int s = lane; s < kRanks; s += 32) {
                 if (s == rank) continue;
                 const int *prefix = p.recv_channel_prefix + s * stride;
                 if (warp == 0 && __ldg(prefix + g + 1) - __ldg(prefix + g) > p.ring_rows)
-                    record_failure(p.err, p.op, rank, s, kPhaseChunkTooBig);
+                    ctx.violation(s, kPhaseChunkTooBig);
                 ok = ok && wait_ring_space<kRanks>(prefix, g, p.ring_rows, cursor + s,
                                                    consumed_ptr<kRanks>(peers[rank], s, 0), s, epoch, ctx);
             }
@@ -54,7 +57,8 @@ struct Combine {
                 const int end = __ldg(p.recv_channel_prefix + s * stride + g + 1);
                 const int base = rows_before(p.rank_prefix, kRanks, s, rank);
                 char *ring = peers[s] + p.staging_offset + ring_index<kRanks>(rank, s) * ring_bytes;
-                for (int item = warp; item < (end - begin) * PushSplit::kSegs; item += kWarps) {
+                const int items = (end - begin) * PushSplit::kSegs;
+                for (int item = (warp - rotate + kWarps) % kWarps; item < items; item += kWarps) {
                     const int k = begin + item / PushSplit::kSegs, seg = item % PushSplit::kSegs;
                     const long long pos = base + k;
                     const int4 *src = static_cast<const int4 *>(p.x) + pos * kRowInt4 + seg * PushSplit::kSegInt4;
@@ -70,17 +74,19 @@ struct Combine {
                     if (seg == 0 && lane < k_top)
                         reinterpret_cast<float *>(record + row_bytes)[lane] = p.topk_weights[pos * k_top + lane];
                 }
+                rotate = (rotate + items) % kWarps;
             }
-            __syncwarp();
-            for (int s = lane; s < kRanks; s += 32)
-                if (s != rank) red_add_release_sys(ready_ptr<kRanks>(peers[s], rank, g), 1);
+            const unsigned long long signal_start = trace_now();
+            chunk_done<kRanks>(arrivals + chunk, peers, rank, g);
+            trace_add(p.trace, kTrSignalNs, trace_now() - signal_start);
         }
+        trace_set(p.trace, kTrSent, trace_now());
     }
 
     // Warp-level reducer: claims (chunk, part) of this rank's own tokens; once every peer signalled
     // the chunk, sums bias0 + bias1 + the rows of ranks 0..R-1 (ascending, fp32) per token.
     static __device__ void reduce(const CombineParams &p, char *const *peers, unsigned long long epoch,
-                                  const WaitContext &ctx) {
+                                  const Guard &ctx) {
         using S = ReduceSplit;
         const int lane = lane_id(), rank = p.rank, stride = p.num_chunks + 1, k_top = p.num_topk;
         const int n = p.num_tokens, tpc = p.tokens_per_chunk;
@@ -94,24 +100,39 @@ struct Combine {
             unsigned int c = 0;
             if (lane == 0) c = atomicAdd(claim, 1u);
             c = __shfl_sync(0xffffffffu, c, 0);
-            if (c >= total) return;
+            if (c >= total) break;
+            trace_add(p.trace, kTrClaims, 1);
             const int g = c / kParts, part = c % kParts;
             bool ok = true;
+            const unsigned long long wait_start = trace_now();
             for (int j = lane; j < kRanks; j += 32) {
                 if (j == rank) continue;
                 ok = ok && wait_at_least(ctx, ready_ptr<kRanks>(local, j, g), kWarps, j, kPhaseData);
                 if (part == 0 && __ldg(p.channel_prefix + j * stride + g + 1) - __ldg(p.channel_prefix + j * stride + g) > p.ring_rows)
-                    record_failure(p.err, p.op, rank, j, kPhaseChunkTooBig);
+                    ctx.violation(j, kPhaseChunkTooBig);
             }
             if (!__all_sync(0xffffffffu, ok)) return;
-            __syncwarp();
+            if (kTrace) {
+                const unsigned long long now = trace_now();
+                trace_add(p.trace, kTrWaitNs, now - wait_start);
+                if (lane == 0 && p.trace != nullptr && trace_row(p.trace)[kTrFirstData] == 0) trace_row(p.trace)[kTrFirstData] = now;
+            }
 
             const int t0 = min(g * tpc, n), t1 = min(t0 + tpc, n);
+            // send_head of 32 tokens at a time, one token per lane: the rows' addresses depend on
+            // it, so loading it per item would put a second memory latency before every row load.
+            int cached_first = -32, lane_head[kRanks];
             for (int item = part; item < (t1 - t0) * S::kSegs; item += kParts) {
                 const int t = t0 + item / S::kSegs, seg = item % S::kSegs;
+                if (t - cached_first >= 32) {
+                    cached_first = t;
+#pragma unroll
+                    for (int j = 0; j < kRanks; ++j)
+                        lane_head[j] = t + lane < t1 ? __ldg(p.send_head + (long long)(t + lane) * kRanks + j) : -1;
+                }
                 int head[kRanks];
 #pragma unroll
-                for (int j = 0; j < kRanks; ++j) head[j] = __ldg(p.send_head + (long long)t * kRanks + j);
+                for (int j = 0; j < kRanks; ++j) head[j] = __shfl_sync(0xffffffffu, lane_head[j], t - cached_first);
                 int4 v[kRanks][S::kUnroll];
 #pragma unroll
                 for (int j = 0; j < kRanks; ++j) {
@@ -171,6 +192,7 @@ struct Combine {
                 }
             }
         }
+        trace_set(p.trace, kTrReceived, trace_now());
     }
 };
 

@@ -14,7 +14,11 @@ constexpr int kWarps = kThreads / 32;      // = sender warps per chunk = ready c
 constexpr int kNotifyThreads = 1024;
 constexpr int kMaxChunks = 1024;           // G <= kMaxChunks (signal arrays are sized by it)
 constexpr int kParts = 8;                  // a received chunk is claimed in kParts pieces
-constexpr int kErrorCapacity = 2;          // ErrorRecord.code for a size/config violation
+constexpr int kErrorCapacity = kDeviceCheckFailed;  // ErrorRecord.code for a size/config violation
+// 16-byte loads a lane keeps in flight when copying a row (per warp and rank in the reduction).
+// Copies are latency-bound per SM: 8 (16 warps x 8 x 512 B = 56 KiB in flight) measured ~54 GB/s
+// per sending SM on H200 (bench/NOTES.md), so 16 doubles the bytes in flight for small SM counts.
+constexpr int kMaxUnroll = 16;
 
 // Phases recorded in ErrorRecord.phase (named by PHASES in epcomm/ops/intranode_plan.py, same order).
 enum Phase : int {
@@ -33,6 +37,7 @@ struct Header {
     static constexpr long long kEpoch = 0;          // u64, local
     static constexpr long long kFinished = 8;       // u32, local: blocks done with this kernel
     static constexpr long long kClaim = 12;         // u32, local: next receive claim
+    static constexpr long long kFailed = 16;        // u32, local: nonzero once a kernel of this rank failed
     static constexpr long long kDone = 64;          // u64[R]
     static constexpr long long kNotifyFlag = kDone + 8LL * kRanks;
     static constexpr long long kReady = (kNotifyFlag + 8LL * kRanks + 127) / 128 * 128;  // u32[R][G]
@@ -54,8 +59,9 @@ struct NotifyParams {
     long long notify_offset;         // bytes from the buffer base to the notify area
     int num_tokens, num_chunks, tokens_per_chunk, num_local_experts;
     int rank, op;
+    unsigned long long *trace;       // [blocks, kTraceWarps, kTraceSlots] when built with EPCOMM_INTRANODE_TRACE
 };
-static_assert(sizeof(NotifyParams) == 104, "NotifyParams is mirrored in epcomm/ops/intranode_plan.py");
+static_assert(sizeof(NotifyParams) == 112, "NotifyParams is mirrored in epcomm/ops/intranode_plan.py");
 
 struct DispatchParams {
     const void *x;                   // [N, H] bf16 or e4m3
@@ -78,8 +84,9 @@ struct DispatchParams {
     long long staging_offset;
     int ring_rows, record_bytes, num_tokens, num_chunks, tokens_per_chunk, num_topk;
     int num_local_experts, num_out_rows, rank, num_send_blocks, op, pad_;
+    unsigned long long *trace;
 };
-static_assert(sizeof(DispatchParams) == 200, "DispatchParams is mirrored in epcomm/ops/intranode_plan.py");
+static_assert(sizeof(DispatchParams) == 208, "DispatchParams is mirrored in epcomm/ops/intranode_plan.py");
 
 struct CombineParams {
     const void *x;                   // [M, H] bf16, this rank's dispatch row order
@@ -94,12 +101,52 @@ struct CombineParams {
     long long staging_offset;
     int ring_rows, record_bytes, num_tokens, num_chunks, tokens_per_chunk, num_topk;
     int rank, num_send_blocks, op, pad_;
+    unsigned long long *trace;
 };
-static_assert(sizeof(CombineParams) == 152, "CombineParams is mirrored in epcomm/ops/intranode_plan.py");
+static_assert(sizeof(CombineParams) == 160, "CombineParams is mirrored in epcomm/ops/intranode_plan.py");
+
+// ---- trace (profiling builds only: -DEPCOMM_INTRANODE_TRACE, see epcomm/ops/intranode.py) -----
+// Lane 0 of every warp writes %globaltimer stamps / sums into its row of Params::trace; the slot
+// meanings are named by TRACE_SLOTS in epcomm/ops/intranode_plan.py. Compiled out otherwise.
+#ifdef EPCOMM_INTRANODE_TRACE
+constexpr bool kTrace = true;
+#else
+constexpr bool kTrace = false;
+#endif
+constexpr int kTraceWarps = 32;
+enum TraceSlot : int {
+    kTrStart = 0,     // warp start (after kernel_begin)
+    kTrIdle = 1,      // peers idle (senders) / notify: counts published
+    kTrSent = 2,      // send / push loop done
+    kTrFirstData = 3, // first received chunk ready
+    kTrReceived = 4,  // receive / reduce loop done
+    kTrWaitNs = 5,    // ns spent waiting for peers' data signals
+    kTrSignalNs = 6,  // ns spent in the sender's release signals
+    kTrClaims = 7,    // receive claims taken
+    kTrEnd = 8,       // block reached kernel_end (warp 0); last block: + done published (slot 9)
+    kTrPublished = 9,
+    kTraceSlots = 10
+};
+__device__ __forceinline__ unsigned long long *trace_row(unsigned long long *trace) {
+    return trace + ((long long)blockIdx.x * kTraceWarps + (threadIdx.x >> 5)) * kTraceSlots;
+}
+__device__ __forceinline__ void trace_set(unsigned long long *trace, int slot, unsigned long long v) {
+    if (kTrace && trace != nullptr && (threadIdx.x & 31) == 0) trace_row(trace)[slot] = v;
+}
+__device__ __forceinline__ void trace_add(unsigned long long *trace, int slot, unsigned long long v) {
+    if (kTrace && trace != nullptr && (threadIdx.x & 31) == 0) trace_row(trace)[slot] += v;
+}
+__device__ __forceinline__ unsigned long long trace_now() { return kTrace ? globaltimer_ns() : 0ull; }
 
 // ---- small helpers ---------------------------------------------------------------------------
-__device__ __forceinline__ void red_add_release_sys(int *p, int v) {
-    asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void red_add_relaxed_sys(int *p, int v) {
+    asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned int atomic_add_acq_rel_cta(unsigned int *shared, unsigned int v) {
+    unsigned int old;
+    const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(shared));
+    asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v) : "memory");
+    return old;
 }
 // Rows that peers write while the kernel runs: L2 only, never a stale L1 line.
 __device__ __forceinline__ int4 ld_cg_v4(const int4 *p) {
@@ -117,28 +164,73 @@ __device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned 
     return v;
 }
 
+// Failure handling of the intranode kernels: the deadline, op and rank of a WaitContext, its
+// host-mapped ErrorRecord written once on failure, plus a sticky flag in this rank's own header
+// (device memory) that later blocks and kernels poll. Why not WaitContext::wait / failed(): they
+// read the host-mapped record over PCIe, and such reads serialise GPU-wide at ~1.1 us each
+// (measured on 2 x H200: 384 warps each checking it once at kernel start took 420 us, the whole
+// fixed cost of a call; a waiting warp re-reads it every 1024 polls). A failure makes the Buffer
+// unusable (StatusRecord.check), so the flag is never cleared; a new Buffer starts zeroed.
+struct Guard {
+    WaitContext ctx;
+    unsigned int *flag;
+
+    __device__ __forceinline__ static Guard make(const char *local_base, ErrorRecord *err,
+                                                 unsigned long long timeout_ns, int op, int rank) {
+        return Guard{WaitContext::make(err, timeout_ns, op, rank),
+                     reinterpret_cast<unsigned int *>(const_cast<char *>(local_base) + Header<1>::kFailed)};
+    }
+    __device__ __forceinline__ bool failed() const { return *static_cast<volatile unsigned int *>(flag) != 0; }
+    __device__ __forceinline__ void raise_flag() const {
+        *static_cast<volatile unsigned int *>(flag) = 1u;
+        __threadfence();
+    }
+    // A peer did not answer in time: ErrorRecord code 1 (PeerTimeout on the host).
+    __device__ __noinline__ void timeout(int peer, int phase) const {
+        ctx.record(peer, phase);
+        raise_flag();
+    }
+    // A size/config violation only the GPU can see: ErrorRecord code kErrorCapacity.
+    __device__ __noinline__ void violation(int peer, int phase) const {
+        ErrorRecord *err = ctx.err;
+        if (atomicCAS(&err->code, kOk, kErrorCapacity) == kOk) {
+            err->op = ctx.op;
+            err->rank = ctx.rank;
+            err->peer = peer;
+            err->phase = phase;
+            __threadfence_system();
+        }
+        raise_flag();
+    }
+    // Spin until ready(); every 1024 polls check the deadline (%globaltimer) and the local flag.
+    template <class Ready>
+    __device__ __forceinline__ bool wait(int peer, int phase, Ready ready) const {
+        unsigned int spins = 0;
+        while (!ready()) {
+            if ((++spins & 1023u) == 0) {
+                if (failed()) return false;
+                if (globaltimer_ns() > ctx.deadline_ns) {
+                    timeout(peer, phase);
+                    return false;
+                }
+            }
+        }
+        return true;
+    }
+};
+
 // Bounded waits for a value another GPU release-writes: poll with relaxed loads (an acquire load
 // per spin would invalidate the SM's L1 each time), then one acquire load of the same word
 // synchronises with the writer (a fence would also wait for this warp's own pending stores).
-__device__ __forceinline__ bool wait_at_least(const WaitContext &ctx, const int *p, int target, int peer,
+__device__ __forceinline__ bool wait_at_least(const Guard &guard, const int *p, int target, int peer,
                                               int phase) {
-    if (!ctx.wait(peer, phase, [&] { return ld_relaxed_sys(p) >= target; })) return false;
+    if (!guard.wait(peer, phase, [&] { return ld_relaxed_sys(p) >= target; })) return false;
     return ld_acquire_sys(p) >= target;
 }
-__device__ __forceinline__ bool wait_at_least(const WaitContext &ctx, const unsigned long long *p,
+__device__ __forceinline__ bool wait_at_least(const Guard &guard, const unsigned long long *p,
                                               unsigned long long target, int peer, int phase) {
-    if (!ctx.wait(peer, phase, [&] { return ld_relaxed_sys_u64(p) >= target; })) return false;
+    if (!guard.wait(peer, phase, [&] { return ld_relaxed_sys_u64(p) >= target; })) return false;
     return ld_acquire_sys(p) >= target;
-}
-
-__device__ __noinline__ void record_failure(ErrorRecord *err, int op, int rank, int peer, int phase) {
-    if (atomicCAS(&err->code, kOk, kErrorCapacity) == kOk) {
-        err->op = op;
-        err->rank = rank;
-        err->peer = peer;
-        err->phase = phase;
-        __threadfence_system();
-    }
 }
 
 template <int kRanks> __device__ __forceinline__ int *ready_ptr(char *base, int peer, int chunk) {
@@ -165,6 +257,31 @@ __device__ __forceinline__ int rows_before(const int *rank_prefix, int num_ranks
     return src == 0 ? 0 : __ldg(rank_prefix + (src - 1) * num_ranks + dst);
 }
 
+// The sending warps of a block share every chunk. Each warp arrives on the chunk's block-local
+// counter once its stores are issued (release, CTA scope); the warp arriving last makes them all
+// visible to the peers with ONE system-scope fence and signals each peer `ready += kWarps`.
+// (A release per warp cost each sending warp ~2.5-5 us of stall per chunk, ~40 us per call.)
+template <int kRanks>
+__device__ __forceinline__ void chunk_done(unsigned int *arrivals, char *const *peers, int rank, int g) {
+    __syncwarp();
+    unsigned int last = 0;
+    if (lane_id() == 0) last = atomic_add_acq_rel_cta(arrivals, 1u) == kWarps - 1;
+    if (__shfl_sync(0xffffffffu, last, 0) && lane_id() == 0) {
+        fence_acq_rel_sys();
+        for (int j = 0; j < kRanks; ++j)
+            if (j != rank) red_add_relaxed_sys(ready_ptr<kRanks>(peers[j], rank, g), kWarps);
+    }
+    __syncwarp();
+}
+
+// Sender-side per-block state: chunk arrival counters (index: the block's i-th chunk).
+struct SendShared {
+    unsigned int arrivals[kMaxChunks];
+    __device__ __forceinline__ void zero() {
+        for (int i = threadIdx.x; i < kMaxChunks; i += blockDim.x) arrivals[i] = 0;
+    }
+};
+
 // Every block loads the peer table into shared memory; returns this kernel's epoch.
 template <int kRanks>
 __device__ __forceinline__ unsigned long long kernel_begin(char **peers, const long long *peer_bases, int rank) {
@@ -175,9 +292,11 @@ __device__ __forceinline__ unsigned long long kernel_begin(char **peers, const l
 
 // The last block to finish publishes the epoch locally and as `done` to every peer.
 template <int kRanks>
-__device__ __forceinline__ void kernel_end(char *const *peers, int rank, unsigned long long epoch) {
+__device__ __forceinline__ void kernel_end(char *const *peers, int rank, unsigned long long epoch,
+                                           unsigned long long *trace) {
     __syncthreads();
     if (threadIdx.x != 0) return;
+    trace_set(trace, kTrEnd, trace_now());
     char *local = peers[rank];
     auto *finished = reinterpret_cast<unsigned int *>(local + Header<kRanks>::kFinished);
     __threadfence();
@@ -189,12 +308,13 @@ __device__ __forceinline__ void kernel_end(char *const *peers, int rank, unsigne
     fence_acq_rel_sys();
     for (int j = 0; j < kRanks; ++j)
         if (j != rank) st_release_sys(done_ptr<kRanks>(peers[j], rank), epoch);
+    trace_set(trace, kTrPublished, trace_now());
 }
 
 // Lanes wait (one peer each) until every peer finished its previous kernel. False on failure.
 template <int kRanks>
 __device__ __forceinline__ bool wait_peers_idle(char *const *peers, int rank, unsigned long long epoch,
-                                                const WaitContext &ctx) {
+                                                const Guard &ctx) {
     bool ok = true;
     for (int j = lane_id(); j < kRanks; j += 32) {
         if (j == rank) continue;
@@ -209,7 +329,7 @@ __device__ __forceinline__ bool wait_peers_idle(char *const *peers, int rank, un
 template <int kRanks>
 __device__ __forceinline__ bool wait_ring_space(const int *prefix, int g, int ring_rows, int *cursor,
                                                 const unsigned long long *consumed, int peer,
-                                                unsigned long long epoch, const WaitContext &ctx) {
+                                                unsigned long long epoch, const Guard &ctx) {
     const int limit = __ldg(prefix + g + 1) - ring_rows;
     int x = *cursor;
     while (x < g && __ldg(prefix + x) < limit) {
@@ -222,10 +342,10 @@ __device__ __forceinline__ bool wait_ring_space(const int *prefix, int g, int ri
 
 // Row copy geometry: a row of kRowInt4 16-byte units is moved in kSegs segments of up to 32*kUnroll
 // units, each by one warp with kUnroll loads in flight per lane.
-template <int kRowInt4, int kMaxUnroll>
+template <int kRowInt4, int kUnrollLimit>
 struct RowSplit {
     static constexpr int kPerLane = (kRowInt4 + 31) / 32;
-    static constexpr int kSegs = (kPerLane + kMaxUnroll - 1) / kMaxUnroll;
+    static constexpr int kSegs = (kPerLane + kUnrollLimit - 1) / kUnrollLimit;
     static constexpr int kUnroll = (kPerLane + kSegs - 1) / kSegs;
     static constexpr int kSegInt4 = 32 * kUnroll;
 };

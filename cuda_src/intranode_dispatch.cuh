@@ -33,7 +33,7 @@ struct TokenMeta {
 
 template <int kRanks, int kRowInt4, int kScales, typename IdxT, bool kFresh>
 struct Dispatch {
-    using Split = RowSplit<kRowInt4, 8>;
+    using Split = RowSplit<kRowInt4, kMaxUnroll>;
     using Meta = TokenMeta<kScales>;
     static constexpr int kRowBytes = kRowInt4 * 16;
 
@@ -46,32 +46,35 @@ struct Dispatch {
         return base + p.staging_offset + ring * ring_bytes + (long long)(k % p.ring_rows) * p.record_bytes;
     }
 
-    // Warp-level sender: chunks blockIdx.x, blockIdx.x + S, ...; each warp takes every kWarps-th
-    // (token, segment) of a chunk, reads it once and stores it to every destination; then signals
-    // each peer that this warp is done with the chunk.
+    // Warp-level sender: chunks blockIdx.x, blockIdx.x + S, ...; the block's (token, segment) items,
+    // chunk after chunk, go round-robin over its warps (so small chunks still spread over all warps);
+    // a warp reads an item once and stores it to every destination, then arrives on the chunk
+    // (chunk_done: the last warp signals the peers).
     static __device__ void send(const DispatchParams &p, char *const *peers, int *cursor,
-                                unsigned long long epoch, const WaitContext &ctx) {
+                                unsigned int *arrivals, unsigned long long epoch, const Guard &ctx) {
         const int lane = lane_id(), warp = warp_id(), rank = p.rank;
         const int n = p.num_tokens, tpc = p.tokens_per_chunk, stride = p.num_chunks + 1;
         for (int j = lane; j < kRanks; j += 32) cursor[j] = 0;
         if (!wait_peers_idle<kRanks>(peers, rank, epoch, ctx)) return;
+        trace_set(p.trace, kTrIdle, trace_now());
         const int self_base = rows_before(p.rank_prefix, kRanks, rank, rank);
         const long long ring_bytes = (long long)p.ring_rows * p.record_bytes;
+        int rotate = 0;   // items of this block's earlier chunks, mod kWarps
 
-        for (int g = blockIdx.x; g < p.num_chunks; g += p.num_send_blocks) {
+        for (int g = blockIdx.x, i = 0; g < p.num_chunks; g += p.num_send_blocks, ++i) {
             bool ok = true;
             for (int j = lane; j < kRanks; j += 32) {
                 if (j == rank) continue;
                 const int *prefix = p.channel_prefix + j * stride;
                 if (warp == 0 && __ldg(prefix + g + 1) - __ldg(prefix + g) > p.ring_rows)
-                    record_failure(p.err, p.op, rank, j, kPhaseChunkTooBig);
+                    ctx.violation(j, kPhaseChunkTooBig);
                 ok = ok && wait_ring_space<kRanks>(prefix, g, p.ring_rows, cursor + j,
                                                    consumed_ptr<kRanks>(peers[rank], j, 0), j, epoch, ctx);
             }
             if (!__all_sync(0xffffffffu, ok)) return;
 
-            const int t0 = min(g * tpc, n), t1 = min(t0 + tpc, n);
-            for (int item = warp; item < (t1 - t0) * Split::kSegs; item += kWarps) {
+            const int t0 = min(g * tpc, n), t1 = min(t0 + tpc, n), items = (t1 - t0) * Split::kSegs;
+            for (int item = (warp - rotate + kWarps) % kWarps; item < items; item += kWarps) {
                 const int t = t0 + item / Split::kSegs, seg = item % Split::kSegs;
                 int head[kRanks];
 #pragma unroll
@@ -92,7 +95,7 @@ struct Dispatch {
                     if (j == rank) {
                         pos = self_base + head[j];
                         if (pos >= p.num_out_rows) {   // num_worst_tokens too small
-                            if (seg == 0 && lane == 0) record_failure(p.err, p.op, rank, rank, kPhaseWorstTokens);
+                            if (seg == 0 && lane == 0) ctx.violation(rank, kPhaseWorstTokens);
                             continue;
                         }
                         dst = static_cast<int4 *>(p.recv_x) + (long long)pos * kRowInt4;
@@ -107,10 +110,12 @@ struct Dispatch {
                     if (seg == 0) store_meta(p, meta, j, pos, record);
                 }
             }
-            __syncwarp();
-            for (int j = lane; j < kRanks; j += 32)
-                if (j != rank) red_add_release_sys(ready_ptr<kRanks>(peers[j], rank, g), 1);
+            rotate = (rotate + items) % kWarps;
+            const unsigned long long signal_start = trace_now();
+            chunk_done<kRanks>(arrivals + i, peers, rank, g);
+            trace_add(p.trace, kTrSignalNs, trace_now() - signal_start);
         }
+        trace_set(p.trace, kTrSent, trace_now());
     }
 
     static __device__ __forceinline__ void load_meta(const DispatchParams &p, int t, Meta &meta) {
@@ -164,7 +169,7 @@ struct Dispatch {
     // waits for the source's kWarps signals, copies its part of the chunk's rows out of the ring;
     // the last part to finish frees the chunk (reset ready, publish consumed).
     static __device__ void receive(const DispatchParams &p, char *const *peers, unsigned long long epoch,
-                                   const WaitContext &ctx) {
+                                   const Guard &ctx) {
         const int lane = lane_id(), rank = p.rank, stride = p.num_chunks + 1, k_top = p.num_topk;
         char *local = peers[rank];
         auto *claim = reinterpret_cast<unsigned int *>(local + Header<kRanks>::kClaim);
@@ -175,24 +180,31 @@ struct Dispatch {
             unsigned int c = 0;
             if (lane == 0) c = atomicAdd(claim, 1u);
             c = __shfl_sync(0xffffffffu, c, 0);
-            if (c >= total) return;
+            if (c >= total) break;
+            trace_add(p.trace, kTrClaims, 1);
             const int g = c / per_chunk, r = c % per_chunk, part = r % kParts;
             const int s = (rank + 1 + r / kParts) % kRanks;
             bool ok = true;
+            const unsigned long long wait_start = trace_now();
             if (lane == 0) ok = wait_at_least(ctx, ready_ptr<kRanks>(local, s, g), kWarps, s, kPhaseData);
             __syncwarp();
             if (!__shfl_sync(0xffffffffu, ok, 0)) return;
+            if (kTrace) {
+                const unsigned long long now = trace_now();
+                trace_add(p.trace, kTrWaitNs, now - wait_start);
+                if (lane == 0 && p.trace != nullptr && trace_row(p.trace)[kTrFirstData] == 0) trace_row(p.trace)[kTrFirstData] = now;
+            }
 
             const int begin = __ldg(p.recv_channel_prefix + s * stride + g);
             const int end = __ldg(p.recv_channel_prefix + s * stride + g + 1);
             if (part == 0 && lane == 0 && end - begin > p.ring_rows)
-                record_failure(p.err, p.op, rank, s, kPhaseChunkTooBig);
+                ctx.violation(s, kPhaseChunkTooBig);
             const int base = rows_before(p.rank_prefix, kRanks, s, rank);
             for (int item = part; item < (end - begin) * Split::kSegs; item += kParts) {
                 const int k = begin + item / Split::kSegs, seg = item % Split::kSegs;
                 const int pos = base + k;
                 if (pos >= p.num_out_rows) {
-                    if (lane == 0) record_failure(p.err, p.op, rank, s, kPhaseWorstTokens);
+                    if (lane == 0) ctx.violation(s, kPhaseWorstTokens);
                     continue;
                 }
                 char *record = record_at(p, local, ring_index<kRanks>(s, rank), k, ring_bytes);
@@ -242,6 +254,7 @@ struct Dispatch {
                 }
             }
         }
+        trace_set(p.trace, kTrReceived, trace_now());
     }
 
     // num_worst_tokens / cached worst-size outputs: rows past the received ones are zero, top-k -1.

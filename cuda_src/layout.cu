@@ -8,9 +8,14 @@
 //     rank and once per node however many of its experts live there; per-rank counts are summed
 //     per warp with ballots; the token's row of is_token_in_rank is expanded from the mask and
 //     written directly with vector stores;
-//   * at the end each block adds its histograms to the outputs: stores when the grid is one block
-//     (outputs may be uninitialised), atomicAdds otherwise (the host zeroes the outputs first).
+//   * at the end each block adds its histograms to the outputs. The outputs come uninitialised
+//     (the host allocates them and launches, nothing else: no memset on the host's critical
+//     path), so a one-block grid stores its counts; a larger grid is launched cooperatively:
+//     block 0 zeroes the counts while every block counts its tokens, the grid syncs, then every
+//     block atomicAdds its histograms.
 // Specialised on K, E, R, L (ranks per node), the index type and the load width: no whitelists.
+#include <cooperative_groups.h>
+
 #include "common/arch.cuh"
 
 namespace epcomm {
@@ -119,6 +124,13 @@ __global__ void __launch_bounds__(kThreads) layout_kernel(const __grid_constant_
     int *rank_counts = smem + E;
     int *node_counts = rank_counts + R;
     for (int i = threadIdx.x; i < E + R + kNodes; i += kThreads) smem[i] = 0;
+    const bool direct = gridDim.x == 1;
+    if (!direct && blockIdx.x == 0) {   // made visible to the other blocks by the grid sync below
+        for (int i = threadIdx.x; i < E; i += kThreads) p.num_tokens_per_expert[i] = 0;
+        for (int i = threadIdx.x; i < R; i += kThreads) p.num_tokens_per_rank[i] = 0;
+        if constexpr (kNodes > 1)
+            for (int i = threadIdx.x; i < kNodes; i += kThreads) p.num_tokens_per_rdma_rank[i] = 0;
+    }
     __syncthreads();
 
     const int lane = lane_id();
@@ -156,8 +168,8 @@ __global__ void __launch_bounds__(kThreads) layout_kernel(const __grid_constant_
         if constexpr (kNodes > 1) layout::count_bits_per_warp<kNodes>(node_mask, node_counts, lane);
     }
     __syncthreads();
+    if (!direct) cooperative_groups::this_grid().sync();   // the zeroed counts, before any add
 
-    const bool direct = gridDim.x == 1;
     for (int i = threadIdx.x; i < E; i += kThreads) layout::flush(p.num_tokens_per_expert + i, expert_counts[i], direct);
     for (int i = threadIdx.x; i < R; i += kThreads) layout::flush(p.num_tokens_per_rank + i, rank_counts[i], direct);
     if constexpr (kNodes > 1)

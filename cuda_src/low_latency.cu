@@ -20,12 +20,15 @@
 // peer's unread data is never overwritten, whatever order sends and hooks are called in.
 //
 // Dispatch. Send part: each block casts its tokens (FP8 e4m3 with per-128-channel scales, or BF16)
-// into shared memory once and writes one message per (token, top-k expert) into the destination's
-// slot [local expert][source rank][token]. Then, per expert, one warp writes the ascending list of
-// this rank's tokens routed there (a token appears once per top-k slot naming the expert) and its
-// length: the list tells the receiver where each row goes. Receive part: for every (local expert,
-// source) pair a group of warps waits for the lists of sources <= that source (prefix = first row),
-// then for each listed token's message tag, and copies it into the packed output.
+// into shared memory once (before waiting for the release, so that round trip overlaps the loads)
+// and writes each token ONCE per destination rank holding any of its top-k experts, into the
+// destination's slot [source rank][token] (a token with 4 experts on a peer crosses NVLink once, not
+// 4 times). Then, per expert, one warp writes the ascending list of this rank's tokens routed there
+// (a token appears once per top-k slot naming the expert) and its length: the list tells the
+// receiver which tokens each expert takes and where each row goes. Receive part: for every (local
+// expert, source) pair a group of warps waits for the lists of sources <= that source (prefix =
+// first row), then for each listed token's message tag, and copies the message (payload and scales
+// in one batch of loads) into the packed output.
 //
 // Combine. Send part: every valid row of every (local expert, source) pair goes back to the
 // source's slot [global expert][token]. Receive part: one block per token waits for the rows of its
@@ -34,7 +37,7 @@
 // Fault tolerance. Waits go through WaitContext. With enable_shrink a peer that times out is masked
 // (mask[peer] = 1) and treated as sending nothing; without it the wait records a PeerTimeout and the
 // kernel winds down. Masked peers are neither sent to nor waited for.
-#include "low_latency_protocol.cuh"
+#include "low_latency_dispatch.cuh"
 
 namespace epcomm {
 namespace ll {
@@ -55,10 +58,10 @@ struct DispatchParams {
     unsigned long long *epochs;        // [2] calls this rank sent / received on this set
     unsigned int *tickets;             // [2] blocks done with the send / receive part of this launch
     int *mask;                         // [R] nonzero = masked rank
-    unsigned long long *token_tags;    // [E_l][R][T]
+    unsigned long long *token_tags;    // [R][T]: one per (source rank, token)
     unsigned long long *list_tags;     // [E_l][R]
     char *lists;                       // [E_l][R][16 + 4T]
-    char *messages;                    // [E_l][R][T][message bytes]
+    char *messages;                    // [R][T][message bytes]
     char *message_stage;               // [T][message bytes], source of puts
     char *list_stage;                  // [E][16 + 4T], source of puts
     ErrorRecord *err;
@@ -103,123 +106,68 @@ struct CombineParams {
 static_assert(sizeof(CombineParams) == 168, "mirrored by epcomm.ops.low_latency.CombineParams");
 
 // ==== dispatch ===================================================================================
-template <int kHidden, bool kFP8> struct Message {
-    static constexpr int kScales = kFP8 ? kHidden / kScaleChannels : 0;
-    static constexpr int kPayloadBytes = kFP8 ? kHidden : kHidden * 2;
-    static constexpr int kBytes = kPayloadBytes + (kScales * 4 + 15) / 16 * 16;
-};
-
-// Casts token row `x_row` into `msg` (shared) and, when given, `stage` (global), by `threads`
-// threads of which this is `tid`. FP8: amax over 16 lanes x 8 channels; the formulas are the
-// oracle's (epcomm/reference/oracle.py fp8_cast), so the bytes match it exactly.
-template <int kHidden, bool kFP8, bool kRoundScale>
-__device__ void cast_token(const int4 *x_row, char *msg, char *stage, int tid, int threads) {
-    using M = Message<kHidden, kFP8>;
-    constexpr int kChunks = kHidden / 8;
-    const int lane = lane_id();
-    for (int base = tid - lane; base < kChunks; base += threads) {   // warp-uniform trip count
-        const int c = base + lane;
-        const bool active = c < kChunks;
-        const int4 v = active ? ld_nc_v4(x_row + c) : make_int4(0, 0, 0, 0);
-        if constexpr (!kFP8) {
-            if (active) {
-                reinterpret_cast<int4 *>(msg)[c] = v;
-                if (stage) reinterpret_cast<int4 *>(stage)[c] = v;
-            }
-        } else {
-            const uint32_t w[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
-            float f[8], amax = 0.0f;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                f[2 * i] = bf16_lo(w[i]);
-                f[2 * i + 1] = bf16_hi(w[i]);
-                amax = fmaxf(amax, fmaxf(fabsf(f[2 * i]), fabsf(f[2 * i + 1])));
-            }
-#pragma unroll
-            for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            amax = fmaxf(amax, kFp8AmaxFloor);
-            float scale, scale_inv;
-            if constexpr (kRoundScale) {   // 2^e with e = ceil(log2(amax / 448)), from the bits
-                const uint32_t b = __float_as_uint(__fmul_rn(amax, kFp8MaxInv));
-                const int e = static_cast<int>((b >> 23) & 0xffu) - 127 + ((b & 0x7fffffu) != 0);
-                scale = __uint_as_float(static_cast<uint32_t>(127 - e) << 23);
-                scale_inv = __uint_as_float(static_cast<uint32_t>(127 + e) << 23);
-            } else {
-                scale = __fdiv_rn(kFp8Max, amax);
-                scale_inv = __fmul_rn(amax, kFp8MaxInv);
-            }
-            uint32_t q[2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                float g[4];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) g[j] = fminf(fmaxf(__fmul_rn(f[4 * i + j], scale), -kFp8Max), kFp8Max);
-                q[i] = e4m3x2(g[0], g[1]) | (e4m3x2(g[2], g[3]) << 16);
-            }
-            if (active) {
-                reinterpret_cast<uint2 *>(msg)[c] = make_uint2(q[0], q[1]);
-                if (stage) reinterpret_cast<uint2 *>(stage)[c] = make_uint2(q[0], q[1]);
-                if ((lane & 15) == 0) {
-                    reinterpret_cast<float *>(msg + M::kPayloadBytes)[c / 16] = scale_inv;
-                    if (stage) reinterpret_cast<float *>(stage + M::kPayloadBytes)[c / 16] = scale_inv;
-                }
-            }
-        }
-    }
-}
-
-// Most tokens a block casts at once (one group of warps each, K messages per token spread over
-// the group), bounded so their messages fit kSmemBudget of shared memory. Mirrored by
-// epcomm.ops.low_latency.dispatch_smem_bytes (checked by tests/test_low_latency_plan.py).
-template <int kHidden, int kTopK, bool kFP8, int kThreads> struct DispatchShape {
-    static constexpr int kSmemBudget = 96 * 1024;
-    static constexpr int kWarps = kThreads / 32;
-    static constexpr int kByWarps = kTopK < kWarps ? kWarps / kTopK : 1;
-    static constexpr int kBySmem = kSmemBudget / Message<kHidden, kFP8>::kBytes;
-    static constexpr int kTokensPerRound = kByWarps < kBySmem ? kByWarps : (kBySmem > 0 ? kBySmem : 1);
-    static constexpr int kSmemBytes = kTokensPerRound * Message<kHidden, kFP8>::kBytes;
-};
-
+// The send part. A token goes once to each rank that holds one of its experts (not once per
+// expert: with K=8 of 288 experts on 2 ranks that is ~1 message per rank instead of ~4), into the
+// destination's slot [source rank][token]; the lists tell the receiver which experts want it.
 template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, bool kFP8, bool kRoundScale,
           class TopkT, int kThreads>
-__device__ void dispatch_send(const DispatchParams &p, const BlockState<kRanks> &s, unsigned long long epoch,
-                              char *smem) {
+__device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, const WaitContext &ctx,
+                              unsigned long long epoch, char *smem) {
     using M = Message<kHidden, kFP8>;
     using Shape = DispatchShape<kHidden, kTopK, kFP8, kThreads>;
     constexpr int kLocalExperts = kExperts / kRanks, kWarps = kThreads / 32;
     constexpr int kListBytes = kListHeaderBytes + 4 * kMaxTokens;
+    constexpr unsigned kAll = 0xffffffffu;
     const int warp = warp_id(), lane = lane_id();
 
-    // Messages: a group of warps casts one token into shared memory, then each of its warps sends
-    // the copies of some of the token's top-k slots. Blocks take one token each while there are
-    // fewer tokens than blocks (all warps cast it), up to kTokensPerRound otherwise.
+    // A group of warps casts one token into shared memory, then its warps send it to the ranks it
+    // goes to, one warp per rank. Blocks take one token each while there are fewer tokens than
+    // blocks (all warps cast it), up to kTokensPerRound otherwise.
     const int per_round = min(Shape::kTokensPerRound, max(1, (p.num_tokens + gridDim.x - 1) / gridDim.x));
     const int warps_per_token = kWarps / per_round;
     const int group = warp / warps_per_token, in_group = warp % warps_per_token;
-    for (int first = blockIdx.x * per_round; first < p.num_tokens; first += gridDim.x * per_round) {
+    const int first_round = blockIdx.x * per_round, token_stride = gridDim.x * per_round;
+    auto load_round = [&](int first, int &expert) {   // lane k < K: the token's k-th expert; then the cast
+        const int t = first + group;
+        expert = -1;
+        if (group >= per_round || t >= p.num_tokens) return;
+        if (lane < kTopK) expert = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + lane);
+        cast_token<kHidden, kFP8, kRoundScale>(
+            reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + static_cast<long long>(t) * kHidden * 2),
+            smem + group * M::kBytes, in_group * 32 + lane, warps_per_token * 32);
+    };
+    // The first round is read and cast before the release wait (no remote write yet), so that
+    // round trip overlaps the loads of x.
+    int expert;
+    load_round(first_round, expert);
+    wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);   // ends with __syncthreads
+    if (s.abort) return;
+    for (int first = first_round; first < p.num_tokens; first += token_stride) {
+        if (first != first_round) {
+            __syncthreads();   // the previous round's messages have left shared memory
+            load_round(first, expert);
+            __syncthreads();
+        }
         const int t = first + group;
         const bool mine = group < per_round && t < p.num_tokens;
-        char *msg = smem + group * M::kBytes;
-        char *stage = p.stage_for_puts ? p.message_stage + static_cast<long long>(t) * M::kBytes : nullptr;
-        __syncthreads();   // the previous round's messages have left shared memory
-        if (mine)
-            cast_token<kHidden, kFP8, kRoundScale>(
-                reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + static_cast<long long>(t) * kHidden * 2),
-                msg, stage, in_group * 32 + lane, warps_per_token * 32);
-        __syncthreads();
+        const char *msg = smem + group * M::kBytes;
+        char *stage = p.message_stage + static_cast<long long>(t) * M::kBytes;
+        if (p.stage_for_puts) {   // puts read the symmetric heap: the group copies the message there
+            if (mine)
+                for (int i = in_group * 32 + lane; i < M::kBytes / 16; i += warps_per_token * 32)
+                    reinterpret_cast<int4 *>(stage)[i] = reinterpret_cast<const int4 *>(msg)[i];
+            __syncthreads();
+        }
         if (!mine) continue;
-        for (int k = in_group; k < kTopK; k += warps_per_token) {
-            const int e = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + k);
-            if (e < 0) continue;
-            const int dst = e / kLocalExperts;
-            if (s.masked[dst]) continue;
-            const long long slot = static_cast<long long>((e % kLocalExperts) * kRanks + p.rank) * kMaxTokens + t;
-            char *local_msg = p.messages + slot * M::kBytes;
-            unsigned long long *local_tag = p.token_tags + slot;
+        const long long slot = static_cast<long long>(p.rank) * kMaxTokens + t;
+        char *local_msg = p.messages + slot * M::kBytes;
+        unsigned long long *local_tag = p.token_tags + slot;
+        for (int dst = in_group; dst < kRanks; dst += warps_per_token) {
+            if (!__any_sync(kAll, expert >= 0 && expert / kLocalExperts == dst) || s.masked[dst]) continue;
             if (dst == p.rank || s.peer_base[dst] != 0) {
                 const int4 *src = reinterpret_cast<const int4 *>(msg);
-                warp_copy(reinterpret_cast<int4 *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_msg)), M::kBytes / 16,
-                          lane, [&](int i) { return src[i]; });
+                warp_copy<16>(reinterpret_cast<int4 *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_msg)),
+                              M::kBytes / 16, lane, [&](int i) { return src[i]; });
                 __syncwarp();
                 if (lane == 0)
                     st_release_sys(reinterpret_cast<unsigned long long *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_tag)), epoch);
@@ -242,24 +190,34 @@ __device__ void dispatch_send(const DispatchParams &p, const BlockState<kRanks> 
         char *list = direct ? on_peer(p.heap, s.peer_base, p.rank, dst, local_list)
                             : p.list_stage + static_cast<long long>(e) * kListBytes;
         int *entries = reinterpret_cast<int *>(list + kListHeaderBytes);
+        // kScanRounds x 32 tokens per step: their top-k loads are all in flight at once (one L2
+        // round trip per step instead of one per 32 tokens).
+        constexpr int kScanRounds = kTopK <= 8 ? 4 : kTopK <= 16 ? 2 : 1;
         int count = 0;
-        for (int first = 0; first < p.num_tokens; first += 32) {
-            const int t = first + lane;
-            int hits = 0;
-            if (t < p.num_tokens) {
+        for (int first = 0; first < p.num_tokens; first += 32 * kScanRounds) {
+            int hits[kScanRounds];
 #pragma unroll
-                for (int k = 0; k < kTopK; ++k)
-                    hits += expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + k) == e;
-            }
-            int inclusive = hits;
+            for (int r = 0; r < kScanRounds; ++r) {
+                const int t = first + 32 * r + lane;
+                hits[r] = 0;
+                if (t < p.num_tokens) {
 #pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
-                if (lane >= o) inclusive += v;
+                    for (int k = 0; k < kTopK; ++k)
+                        hits[r] += expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + k) == e;
+                }
             }
-            for (int pos = count + inclusive - hits, end = count + inclusive; pos < end && pos < kMaxTokens; ++pos)
-                entries[pos] = t;
-            count += __shfl_sync(0xffffffffu, inclusive, 31);
+#pragma unroll
+            for (int r = 0; r < kScanRounds; ++r) {
+                int inclusive = hits[r];
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int v = __shfl_up_sync(kAll, inclusive, o);
+                    if (lane >= o) inclusive += v;
+                }
+                for (int pos = count + inclusive - hits[r], end = count + inclusive; pos < end && pos < kMaxTokens; ++pos)
+                    entries[pos] = first + 32 * r + lane;
+                count += __shfl_sync(kAll, inclusive, 31);
+            }
         }
         count = min(count, kMaxTokens);   // only reachable with repeated experts (validated on the host)
         if (lane == 0) reinterpret_cast<int *>(list)[0] = count;
@@ -319,33 +277,16 @@ __device__ void dispatch_recv(const DispatchParams &p, const BlockState<kRanks> 
         for (int i = split.j0; i < count; i += split.stride) {
             const int t = ld_cg(entries + i);
             if (t < 0 || t >= kMaxTokens) continue;
-            const long long slot = static_cast<long long>(pair) * kMaxTokens + t;
+            const long long slot = static_cast<long long>(src) * kMaxTokens + t;   // messages are [source][token]
             int w = kReady;
             if (lane == 0) w = wait_tag(ctx, p.token_tags + slot, epoch, p.mask, shrink, src, 2);
             w = __shfl_sync(kAll, w, 0);
             if (w == kFailed) return;
             if (w == kMasked) break;   // the source went silent: its remaining rows stay unfilled
             __syncwarp();
-            const char *msg = p.messages + slot * M::kBytes;
-            const long long row = static_cast<long long>(el) * kSlots + begin + i;
-            warp_copy(reinterpret_cast<int4 *>(static_cast<char *>(p.recv_x) + row * M::kPayloadBytes),
-                      M::kPayloadBytes / 16, lane, [&](int j) { return ld_cg_v4(msg + 16 * j); });
-            if constexpr (kFP8) {
-                const float *scales = reinterpret_cast<const float *>(msg + M::kPayloadBytes);
-                const long long column = begin + i;   // scales are column-major: [E_l][S][R*T]
-                if constexpr (!kUE8M0) {
-                    for (int j = lane; j < M::kScales; j += 32)
-                        static_cast<float *>(p.recv_scales)[(static_cast<long long>(el) * M::kScales + j) * kSlots + column] = ld_cg(scales + j);
-                } else {
-                    for (int j = lane; j < M::kScales / 4; j += 32) {
-                        uint32_t word = 0;
-#pragma unroll
-                        for (int b = 0; b < 4; ++b) word |= ((__float_as_uint(ld_cg(scales + 4 * j + b)) >> 23) & 0xffu) << (8 * b);
-                        static_cast<int *>(p.recv_scales)[(static_cast<long long>(el) * (M::kScales / 4) + j) * kSlots + column] = static_cast<int>(word);
-                    }
-                }
-            }
-            if (lane == 0) p.recv_src_info[row] = t;
+            copy_message<kHidden, kSlots, kFP8, kUE8M0>(p.messages + slot * M::kBytes, p.recv_x, p.recv_scales, el,
+                                                        begin + i, lane);
+            if (lane == 0) p.recv_src_info[static_cast<long long>(el) * kSlots + begin + i] = t;
         }
     }
 }
@@ -357,16 +298,17 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     static_assert(kExperts % kRanks == 0 && kThreads % 32 == 0 && kRanks <= kThreads, "shape");
     static_assert(!kFP8 || kHidden % kScaleChannels == 0, "FP8 needs hidden % 128 == 0");
     static_assert(kHidden % 8 == 0 && (!kUE8M0 || (kFP8 && kRoundScale && kHidden % 512 == 0)), "hidden / UE8M0");
+    static_assert(kTopK >= 1 && kTopK <= 32, "one lane per top-k slot");
     extern __shared__ __align__(16) char smem[];
     __shared__ BlockState<kRanks> s;
     const WaitContext ctx = WaitContext::make(p.err, p.timeout_ns, p.op, p.rank);
-    load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     if (p.phases & kSend) {
-        const unsigned long long epoch = ld_volatile(p.epochs) + 1;
-        wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);
-        if (!s.abort)
-            dispatch_send<kHidden, kTopK, kRanks, kExperts, kMaxTokens, kFP8, kRoundScale, TopkT, kThreads>(p, s, epoch, smem);
+        const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
+        load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
+        dispatch_send<kHidden, kTopK, kRanks, kExperts, kMaxTokens, kFP8, kRoundScale, TopkT, kThreads>(p, s, ctx, epoch, smem);
         finish_part(s, p.tickets, p.epochs, epoch, p.acks, p.mask, p.heap, p.rank, false);
+    } else {
+        load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     }
     if (p.phases & kRecv) {
         const unsigned long long epoch = ld_volatile(p.epochs + 1) + 1;
@@ -376,6 +318,32 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
 }
 
 // ==== combine ====================================================================================
+// The first row each warp will send is pulled into L2 before the release wait, so that round trip
+// overlaps the row's first loads from HBM (no remote access here).
+template <int kHidden, int kRanks, int kExperts, int kMaxTokens, int kThreads>
+__device__ void combine_prefetch(const CombineParams &p, const BlockState<kRanks> &s) {
+    constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens, kWarps = kThreads / 32;
+    constexpr int kRowBytes = kHidden * 2, kLines = (kRowBytes + 127) / 128;
+    const PairSplit split(blockIdx.x * kWarps + warp_id(), gridDim.x * kWarps, kLocalExperts * kRanks);
+    if (split.p0 >= kLocalExperts * kRanks || s.masked[split.p0 % kRanks]) return;
+    const long long range = __ldg(p.layout_range + split.p0);
+    const long long begin = range >> 32, count = range & 0xffffffffll;
+    if (begin < 0 || begin + count > kSlots || split.j0 >= count) return;
+    const char *row = static_cast<const char *>(p.x) + ((split.p0 / kRanks) * static_cast<long long>(kSlots) + begin + split.j0) * kRowBytes;
+    for (int l = lane_id(); l < kLines; l += 32) prefetch_l2(row + 128 * l);
+}
+
+// The row of pair position `i` (relative to the pair's begin) to send, or -1: a token listed twice
+// (an expert named in two top-k slots) gets its last row, as in the oracle; the earlier copy would
+// race for the same slot.
+template <int kMaxTokens>
+__device__ __forceinline__ int combine_token(const int *src_info, long long row, long long i, long long count) {
+    const int t = __ldg(src_info + row);
+    if (t < 0 || t >= kMaxTokens) return -1;
+    if (i + 1 < count && __ldg(src_info + row + 1) == t) return -1;
+    return t;
+}
+
 template <int kHidden, int kRanks, int kExperts, int kMaxTokens, int kThreads>
 __device__ void combine_send(const CombineParams &p, const BlockState<kRanks> &s, unsigned long long epoch) {
     constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens, kWarps = kThreads / 32;
@@ -390,33 +358,42 @@ __device__ void combine_send(const CombineParams &p, const BlockState<kRanks> &s
         const long long begin = range >> 32, count = range & 0xffffffffll;
         if (begin < 0 || begin + count > kSlots) continue;   // not a handle of this shape
         const long long expert = static_cast<long long>(p.rank) * kLocalExperts + el;
-        const bool direct = dst == p.rank || s.peer_base[dst] != 0;
-        for (long long i = split.j0; i < count; i += split.stride) {
-            const long long row = el * static_cast<long long>(kSlots) + begin + i;
-            const int t = __ldg(p.src_info + row);
-            if (t < 0 || t >= kMaxTokens) continue;
-            // A token listed twice (an expert named in two top-k slots) gets its last row, as in
-            // the oracle; the earlier copy would race for the same slot.
-            if (i + 1 < count && __ldg(p.src_info + row + 1) == t) continue;
-            const char *src_row = static_cast<const char *>(p.x) + row * kRowBytes;
-            char *local_slot = p.rows + (expert * kMaxTokens + t) * kRowBytes;
-            unsigned long long *local_tag = p.row_tags + expert * kMaxTokens + t;
-            if (direct) {
-                warp_copy(reinterpret_cast<int4 *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_slot)), kRowBytes / 16,
-                          lane, [&](int i) { return ld_nc_v4(reinterpret_cast<const int4 *>(src_row) + i); });
-                __syncwarp();
-                if (lane == 0)
-                    st_release_sys(reinterpret_cast<unsigned long long *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_tag)), epoch);
-            } else {
+        const long long first_row = el * static_cast<long long>(kSlots) + begin;
+        if (dst == p.rank || s.peer_base[dst] != 0) {
+            // Stores: every row of this warp in the pair first (16 loads per lane in flight: a 14 KB
+            // row in two rounds), then ONE fence and all their tags, one lane each, so a warp with
+            // several rows does not wait a full NVLink drain per row before starting the next.
+            for (long long i = split.j0; i < count; i += split.stride) {
+                const int t = combine_token<kMaxTokens>(p.src_info, first_row + i, i, count);
+                if (t < 0) continue;
+                const int4 *src_row = reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + (first_row + i) * kRowBytes);
+                char *local_slot = p.rows + (expert * kMaxTokens + t) * kRowBytes;
+                warp_copy<16>(reinterpret_cast<int4 *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_slot)), kRowBytes / 16,
+                              lane, [&](int u) { return ld_nc_v4(src_row + u); });
+            }
+            __syncwarp();
+            fence_acq_rel_sys();   // the rows above before any of their tags
+            for (long long i = split.j0 + static_cast<long long>(lane) * split.stride; i < count; i += 32ll * split.stride) {
+                const int t = combine_token<kMaxTokens>(p.src_info, first_row + i, i, count);
+                if (t >= 0)
+                    st_relaxed_sys(reinterpret_cast<unsigned long long *>(
+                                       on_peer(p.heap, s.peer_base, p.rank, dst, p.row_tags + expert * kMaxTokens + t)), epoch);
+            }
+        } else {
+            for (long long i = split.j0; i < count; i += split.stride) {
+                const int t = combine_token<kMaxTokens>(p.src_info, first_row + i, i, count);
+                if (t < 0) continue;
+                const char *src_row = static_cast<const char *>(p.x) + (first_row + i) * kRowBytes;
                 const char *source = src_row;
                 if (!zero_copy) {   // puts read from the symmetric heap (registered for every transport)
-                    char *stage = p.row_stage + row * kRowBytes;
+                    char *stage = p.row_stage + (first_row + i) * kRowBytes;
                     warp_copy(reinterpret_cast<int4 *>(stage), kRowBytes / 16, lane,
-                              [&](int i) { return ld_nc_v4(reinterpret_cast<const int4 *>(src_row) + i); });
+                              [&](int u) { return ld_nc_v4(reinterpret_cast<const int4 *>(src_row) + u); });
                     source = stage;
                 }
                 __threadfence_system();
-                nvshmemx_putmem_signal_nbi_warp(local_slot, source, kRowBytes, reinterpret_cast<uint64_t *>(local_tag),
+                nvshmemx_putmem_signal_nbi_warp(p.rows + (expert * kMaxTokens + t) * kRowBytes, source, kRowBytes,
+                                                reinterpret_cast<uint64_t *>(p.row_tags + expert * kMaxTokens + t),
                                                 epoch, NVSHMEM_SIGNAL_SET, dst);
             }
         }
@@ -427,7 +404,9 @@ template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, clas
 __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s, const WaitContext &ctx,
                              unsigned long long epoch, int (*experts)[kTopK], float (*weights)[kTopK]) {
     constexpr int kLocalExperts = kExperts / kRanks;
-    constexpr int kRowBytes = kHidden * 2, kChunks = kHidden / 8, kBatch = 8;
+    // Each thread sums kPerThread chunks (kThreads apart) at once, kBatch top-k rows per step:
+    // 16 row loads in flight per thread.
+    constexpr int kRowBytes = kHidden * 2, kChunks = kHidden / 8, kBatch = 8, kPerThread = 2;
     constexpr unsigned kAll = 0xffffffffu;
     const int warp = warp_id(), lane = lane_id();
     const bool shrink = p.enable_shrink != 0;
@@ -454,39 +433,53 @@ __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s
             weights[warp][lane] = weight;
         }
         __syncwarp();   // the lanes' acquires and the shared table before the row loads
-        for (int c = warp * 32 + lane; c < kChunks; c += kThreads) {
-            float acc[8];
+        for (int c0 = warp * 32 + lane; c0 < kChunks; c0 += kPerThread * kThreads) {
+            float acc[kPerThread][8];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+            for (int q = 0; q < kPerThread; ++q)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[q][j] = 0.0f;
 #pragma unroll
             for (int k0 = 0; k0 < kTopK; k0 += kBatch) {
-                int4 v[kBatch];
+                int4 v[kPerThread][kBatch];
 #pragma unroll
-                for (int b = 0; b < kBatch; ++b) {
-                    const int k = k0 + b;
-                    v[b] = make_int4(0, 0, 0, 0);
-                    if (k < kTopK && ((valid >> k) & 1u))
-                        v[b] = ld_cg_v4(p.rows + (static_cast<long long>(experts[warp][k]) * kMaxTokens + t) * kRowBytes + 16 * c);
+                for (int q = 0; q < kPerThread; ++q) {
+                    const int c = c0 + q * kThreads;
+#pragma unroll
+                    for (int b = 0; b < kBatch; ++b) {
+                        const int k = k0 + b;
+                        v[q][b] = make_int4(0, 0, 0, 0);
+                        if (c < kChunks && k < kTopK && ((valid >> k) & 1u))
+                            v[q][b] = ld_cg_v4(p.rows + (static_cast<long long>(experts[warp][k]) * kMaxTokens + t) * kRowBytes + 16 * c);
+                    }
                 }
 #pragma unroll
-                for (int b = 0; b < kBatch; ++b) {
-                    const int k = k0 + b;
-                    if (k >= kTopK) break;
-                    const bool used = (valid >> k) & 1u;
-                    const uint32_t u[4] = {(uint32_t)v[b].x, (uint32_t)v[b].y, (uint32_t)v[b].z, (uint32_t)v[b].w};
+                for (int q = 0; q < kPerThread; ++q) {
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {   // unused slots add +0, as the oracle's where(...)
-                        acc[2 * j] = __fadd_rn(acc[2 * j], used ? __fmul_rn(bf16_lo(u[j]), weights[warp][k]) : 0.0f);
-                        acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], used ? __fmul_rn(bf16_hi(u[j]), weights[warp][k]) : 0.0f);
+                    for (int b = 0; b < kBatch; ++b) {
+                        const int k = k0 + b;
+                        if (k >= kTopK) break;
+                        const bool used = (valid >> k) & 1u;
+                        const uint32_t u[4] = {(uint32_t)v[q][b].x, (uint32_t)v[q][b].y, (uint32_t)v[q][b].z, (uint32_t)v[q][b].w};
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {   // unused slots add +0, as the oracle's where(...)
+                            acc[q][2 * j] = __fadd_rn(acc[q][2 * j], used ? __fmul_rn(bf16_lo(u[j]), weights[warp][k]) : 0.0f);
+                            acc[q][2 * j + 1] = __fadd_rn(acc[q][2 * j + 1], used ? __fmul_rn(bf16_hi(u[j]), weights[warp][k]) : 0.0f);
+                        }
                     }
                 }
             }
-            int4 packed;
-            packed.x = static_cast<int>(bf16_bits(acc[0]) | (bf16_bits(acc[1]) << 16));
-            packed.y = static_cast<int>(bf16_bits(acc[2]) | (bf16_bits(acc[3]) << 16));
-            packed.z = static_cast<int>(bf16_bits(acc[4]) | (bf16_bits(acc[5]) << 16));
-            packed.w = static_cast<int>(bf16_bits(acc[6]) | (bf16_bits(acc[7]) << 16));
-            reinterpret_cast<int4 *>(static_cast<char *>(p.out) + static_cast<long long>(t) * kRowBytes)[c] = packed;
+#pragma unroll
+            for (int q = 0; q < kPerThread; ++q) {
+                const int c = c0 + q * kThreads;
+                if (c >= kChunks) break;
+                int4 packed;
+                packed.x = static_cast<int>(bf16_bits(acc[q][0]) | (bf16_bits(acc[q][1]) << 16));
+                packed.y = static_cast<int>(bf16_bits(acc[q][2]) | (bf16_bits(acc[q][3]) << 16));
+                packed.z = static_cast<int>(bf16_bits(acc[q][4]) | (bf16_bits(acc[q][5]) << 16));
+                packed.w = static_cast<int>(bf16_bits(acc[q][6]) | (bf16_bits(acc[q][7]) << 16));
+                reinterpret_cast<int4 *>(static_cast<char *>(p.out) + static_cast<long long>(t) * kRowBytes)[c] = packed;
+            }
         }
         __syncwarp();   // the shared table is rewritten for the next token
     }
@@ -500,12 +493,15 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     __shared__ int experts[kThreads / 32][kTopK];
     __shared__ float weights[kThreads / 32][kTopK];
     const WaitContext ctx = WaitContext::make(p.err, p.timeout_ns, p.op, p.rank);
-    load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     if (p.phases & kSend) {
-        const unsigned long long epoch = ld_volatile(p.epochs) + 1;
+        const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
+        load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
+        combine_prefetch<kHidden, kRanks, kExperts, kMaxTokens, kThreads>(p, s);
         wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);
         if (!s.abort) combine_send<kHidden, kRanks, kExperts, kMaxTokens, kThreads>(p, s, epoch);
         finish_part(s, p.tickets, p.epochs, epoch, p.acks, p.mask, p.heap, p.rank, false);
+    } else {
+        load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     }
     if (p.phases & kRecv) {
         const unsigned long long epoch = ld_volatile(p.epochs + 1) + 1;

@@ -32,6 +32,13 @@ __device__ __forceinline__ float ld_cg(const float *p) { return __int_as_float(l
 __device__ __forceinline__ unsigned long long ld_volatile(const unsigned long long *p) {
     return *reinterpret_cast<const volatile unsigned long long *>(p);
 }
+__device__ __forceinline__ void st_relaxed_sys(unsigned long long *p, unsigned long long v) {
+    asm volatile("st.relaxed.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// Pull a line into L2 without waiting for it (a later load then hits L2 instead of HBM).
+__device__ __forceinline__ void prefetch_l2(const void *p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
 
 // Warp copy of n16 16-byte units: each lane first loads kBatch units (predicated, so no serial
 // tail), then stores them, keeping kBatch loads in flight. `load(i)` reads unit i of the source.

@@ -1,6 +1,11 @@
 """`Buffer`: DeepEP V1's public API. Each call validates its arguments (epcomm.validate), runs the
-backend inside the stream scope (epcomm.streams) and builds DeepEP's return tuples, handing tensors
-back in the caller's framework (torch, or CuPy / any DLPack producer, zero-copy)."""
+backend in the stream order of epcomm.streams and builds DeepEP's return tuples, handing tensors
+back in the caller's framework (torch, or CuPy / any DLPack producer, zero-copy).
+
+The host side of a call is on the critical path (MoE layers issue dispatch/combine back to back),
+so the common case, a synchronous call with the default stream arguments, adds no torch op, no
+event and no stream switch to what the backend does: validation with cheap attribute reads, the
+backend call, the result tuple. Only async_finish / previous_event take the comm-stream path."""
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Tuple, Union
@@ -13,7 +18,7 @@ from .config import (BUFFER_ALIGNMENT_BYTES, COMBINE_CHUNKS, DISPATCH_CHUNKS, Co
                      recommended)
 from .errors import BufferUnusable
 from .event import EventOverlap
-from .streams import CommStreamScope, new_comm_stream
+from .streams import AsyncScope, new_comm_stream, wait_previous
 from .validate import Call
 
 Tensor = torch.Tensor
@@ -126,9 +131,17 @@ class Buffer:
         self.explicitly_destroy, self.enable_shrink = options["explicitly_destroy"], options["enable_shrink"]
         self._backend = _make_backend(group, self.num_nvl_bytes, self.num_rdma_bytes, low_latency_mode, options)
         self._device = self._backend.device
+        self._check_values = self._device.type == "cpu"   # see epcomm.validate
         self._internode = self._backend.num_ranks > self._backend.num_local_ranks
-        self._comm_stream = new_comm_stream(self._device)
-        self._low_latency_bytes = {}   # (T, H, E) -> bytes the low-latency layout needs
+        self._comm = new_comm_stream(self._device)
+        self._comm_stream = None if self._comm is None else self._comm.stream
+        self._low_latency_ops = None   # epcomm.ops.low_latency, imported by the first low-latency call
+        self._low_latency_fits = set()   # (T, H, E) whose layout fits num_rdma_bytes
+        self._normal_mode_problem = (
+            "needs a Buffer with num_nvl_bytes > 0 (see Config.get_nvl_buffer_size_hint), this one has 0"
+            if self.num_nvl_bytes == 0 else
+            "internode mode needs a Buffer with num_rdma_bytes > 0 (see Config.get_rdma_buffer_size_hint)"
+            if self._internode and self.num_rdma_bytes == 0 else None)
         # Without explicitly_destroy the backend releases itself at exit: a release from the
         # garbage collector could run at a different point on each rank, and it is collective.
         self.runtime = BufferRuntime(self._backend, self._comm_stream)
@@ -140,31 +153,44 @@ class Buffer:
 
     # ---- helpers -------------------------------------------------------------------------------
     def _begin(self, op: str) -> Call:
-        if self._backend is None:
-            raise BufferUnusable(f"Buffer.{op}: the Buffer was destroyed")
-        self._backend.check_errors()
-        return Call(f"Buffer.{op}", self._device, self.group_size)
+        """op: the full name ("Buffer.dispatch"), as every message starts with it."""
+        backend = self._backend
+        if backend is None:
+            raise BufferUnusable(f"{op}: the Buffer was destroyed")
+        backend.check_errors()
+        return Call(op, self._device, self.group_size, self._check_values)
 
     def _require_normal_mode(self, c: Call) -> None:
-        c.require(self.num_nvl_bytes > 0, "needs a Buffer with num_nvl_bytes > 0 (see "
-                                          "Config.get_nvl_buffer_size_hint), this one has 0")
-        c.require(not self._internode or self.num_rdma_bytes > 0,
-                  "internode mode needs a Buffer with num_rdma_bytes > 0 (see Config.get_rdma_buffer_size_hint)")
+        if self._normal_mode_problem is not None:
+            raise ValueError(f"{c.op}: {self._normal_mode_problem}")
 
     def _low_latency(self, c: Call, shape: Optional[Tuple[int, int, int]] = None):
         """The low-latency ops module, after checking the Buffer's mode (and capacity for (T, H, E))."""
-        c.require(self.low_latency_mode, "needs a Buffer built with low_latency_mode=True")
-        from .ops import low_latency
-        if shape is not None:
-            need = self._low_latency_bytes.get(shape)
-            if need is None:
-                need = self._low_latency_bytes[shape] = int(low_latency.rdma_size_hint(
-                    shape[0], shape[1], self.group_size, shape[2]))
+        ops = self._low_latency_ops
+        if ops is None:
+            c.require(self.low_latency_mode, "needs a Buffer built with low_latency_mode=True")
+            from .ops import low_latency
+            ops = self._low_latency_ops = low_latency
+        if shape is not None and shape not in self._low_latency_fits:
+            need = int(ops.rdma_size_hint(shape[0], shape[1], self.group_size, shape[2]))
             c.require(need <= self.num_rdma_bytes,
                       f"num_max_dispatch_tokens_per_rank={shape[0]}, hidden={shape[1]}, num_experts={shape[2]} "
                       f"need num_rdma_bytes >= {need} (Buffer.get_low_latency_rdma_size_hint), this Buffer "
                       f"has {self.num_rdma_bytes}")
-        return low_latency
+            self._low_latency_fits.add(shape)
+        return ops
+
+    def _stream_order(self, c: Call, previous_event, async_finish, allocate_on_comm_stream
+                      ) -> Optional[AsyncScope]:
+        """After validation, for other than the default stream arguments (which the callers test
+        inline: the common case): None to run in place (synchronous; previous_event already waited
+        for, see epcomm.streams), else the AsyncScope to run in (async_finish)."""
+        previous_event, async_finish, _ = validate.stream_args(c, previous_event, async_finish,
+                                                               allocate_on_comm_stream)
+        if not async_finish:
+            wait_previous(previous_event)
+            return None
+        return AsyncScope(self._comm, previous_event)
 
     def _shrink(self, c: Call) -> None:
         self._low_latency(c)
@@ -225,7 +251,7 @@ class Buffer:
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
         """A zero-copy view of this rank's NVLink buffer (or RDMA buffer with use_rdma_buffer) of `dtype`,
         starting `offset` bytes in: shaped `size` if given, else 1-D over the rest of the buffer."""
-        c = self._begin("get_local_buffer_tensor")
+        c = self._begin("Buffer.get_local_buffer_tensor")
         if not isinstance(dtype, torch.dtype):
             raise c.error("dtype", f"must be a torch.dtype, got {type(dtype).__name__}", TypeError)
         offset = c.integer("offset", offset, minimum=0)
@@ -271,13 +297,17 @@ class Buffer:
         Returns: num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [R / ranks per node] int32 or
             None intranode, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event.
         """
-        c = self._begin("get_dispatch_layout")
+        c = self._begin("Buffer.get_dispatch_layout")
         topk_idx, num_experts = validate.layout_args(c, topk_idx, num_experts)
-        previous_event, async_finish, _ = validate.stream_args(c, previous_event, async_finish,
-                                                               allocate_on_comm_stream)
-        with CommStreamScope(self._comm_stream, previous_event, async_finish) as scope:
+        scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
+            else self._stream_order(c, previous_event, async_finish, allocate_on_comm_stream)
+        if scope is None:
             outputs = self._backend.get_dispatch_layout(topk_idx, num_experts)
-            event = scope.finish((topk_idx,), outputs)
+            event = EventOverlap()
+        else:
+            with scope:
+                outputs = self._backend.get_dispatch_layout(topk_idx, num_experts)
+                event = scope.finish((topk_idx,), outputs)
         return (*c.output(tuple(outputs)), event)
 
     def dispatch(self, x: Union[Tensor, FP8Pair], handle: Optional[Tuple] = None,
@@ -306,23 +336,29 @@ class Buffer:
             elsewhere), recv_topk_weights [M, K] float32, num_recv_tokens_per_expert_list (E_l ints),
             handle, event. Cached mode returns (recv_x, None, None, None, None, event).
         """
-        c = self._begin("dispatch")
+        c = self._begin("Buffer.dispatch")
         self._require_normal_mode(c)
         args = validate.dispatch_args(c, self._internode, self._backend.num_local_ranks, x, handle,
                                       num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                       num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                       num_worst_tokens)
-        config = c.config("config", config, None) or self.get_dispatch_config(self.group_size)
-        previous_event, async_finish, _ = validate.stream_args(c, previous_event, async_finish,
-                                                               allocate_on_comm_stream)
-        with CommStreamScope(self._comm_stream, previous_event, async_finish) as scope:
+        if type(config) is not Config:
+            config = c.config("config", config, None) or self.get_dispatch_config(self.group_size)
+        scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
+            else self._stream_order(c, previous_event, async_finish, allocate_on_comm_stream)
+        if scope is None:
             r = self._backend.dispatch(*args, config)
-            event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_topk_idx, r.recv_topk_weights, r.handle))
-        recv_x = c.output(r.recv_x if args[1] is None else (r.recv_x, r.recv_x_scales))
+            event = EventOverlap()
+        else:
+            with scope:
+                r = self._backend.dispatch(*args, config)
+                event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_topk_idx, r.recv_topk_weights,
+                                            r.handle))
+        recv_x = r.recv_x if args[1] is None else (r.recv_x, r.recv_x_scales)
         if args[2] is not None:
-            return recv_x, None, None, None, None, event
-        return (recv_x, c.output(r.recv_topk_idx), c.output(r.recv_topk_weights),
-                r.num_recv_tokens_per_expert_list, c.output(r.handle), event)
+            return c.output(recv_x), None, None, None, None, event
+        return (*c.output((recv_x, r.recv_topk_idx, r.recv_topk_weights)), r.num_recv_tokens_per_expert_list,
+                c.output(r.handle), event)
 
     def combine(self, x: Tensor, handle: Tuple, topk_weights: Optional[Tensor] = None,
                 bias: Union[None, Tensor, Tuple[Tensor, Tensor]] = None, config: Optional[Config] = None,
@@ -337,27 +373,29 @@ class Buffer:
             config: Config, default get_combine_config(R); stream arguments as in get_dispatch_layout.
         Returns: combined_x [N, H] bfloat16, combined_topk_weights [N, K] float32 or None, event.
         """
-        c = self._begin("combine")
+        c = self._begin("Buffer.combine")
         self._require_normal_mode(c)
         x, handle, topk_weights, bias = validate.combine_args(c, self._internode, x, handle, topk_weights, bias)
-        config = c.config("config", config, None) or self.get_combine_config(self.group_size)
-        previous_event, async_finish, _ = validate.stream_args(c, previous_event, async_finish,
-                                                               allocate_on_comm_stream)
-        with CommStreamScope(self._comm_stream, previous_event, async_finish) as scope:
+        if type(config) is not Config:
+            config = c.config("config", config, None) or self.get_combine_config(self.group_size)
+        scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
+            else self._stream_order(c, previous_event, async_finish, allocate_on_comm_stream)
+        if scope is None:
             combined_x, combined_topk_weights = self._backend.combine(x, handle, topk_weights, bias, config)
-            event = scope.finish((x, handle, topk_weights, bias), (combined_x, combined_topk_weights))
-        return c.output(combined_x), c.output(combined_topk_weights), event
+            event = EventOverlap()
+        else:
+            with scope:
+                combined_x, combined_topk_weights = self._backend.combine(x, handle, topk_weights, bias, config)
+                event = scope.finish((x, handle, topk_weights, bias), (combined_x, combined_topk_weights))
+        return (*c.output((combined_x, combined_topk_weights)), event)
 
     # ---- low-latency mode ----------------------------------------------------------------------
-    def _low_latency_scope(self, async_finish: bool) -> CommStreamScope:
-        # Synchronous and hook calls run on the current stream (nothing to order, lowest latency);
-        # async calls run on the comm stream after the current stream, like normal-mode calls.
-        return CommStreamScope(self._comm_stream if async_finish else None, None, async_finish)
-
+    # Synchronous and hook calls run on the current stream (nothing to order, lowest latency);
+    # async calls run on the comm stream after the current stream, like normal-mode calls.
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Reset the low-latency signalling state for (T, H, E), e.g. after normal-mode calls used the memory."""
-        c = self._begin("clean_low_latency_buffer")
+        c = self._begin("Buffer.clean_low_latency_buffer")
         shape = validate.ll_shape(c, num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._low_latency(c, shape)
         self._backend.clean_low_latency_buffer(*shape)
@@ -383,18 +421,25 @@ class Buffer:
             or [E_l, R*T, H/512] int32, column-major in the last two dims)), recv_count [E_l] int32,
             handle (src_info, layout_range, T, H, E), event, hook (or None).
         """
-        c = self._begin("low_latency_dispatch")
-        async_finish, return_recv_hook = validate.exclusive_hook(c, async_finish, return_recv_hook)
-        low_latency = self._low_latency(c)
+        c = self._begin("Buffer.low_latency_dispatch")
+        if async_finish is not False or return_recv_hook is not False:
+            async_finish, return_recv_hook = validate.exclusive_hook(c, async_finish, return_recv_hook)
+        low_latency = self._low_latency_ops or self._low_latency(c)
         args = validate.ll_dispatch_args(c, low_latency.MAX_TOPK, x, topk_idx, num_max_dispatch_tokens_per_rank,
                                          num_experts, cumulative_local_expert_recv_stats,
                                          dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
-        self._low_latency(c, (args[2], args[0].shape[1], args[3]))
-        with self._low_latency_scope(async_finish) as scope:
+        shape = (args[2], args[0].shape[1], args[3])
+        if shape not in self._low_latency_fits:
+            self._low_latency(c, shape)
+        if not async_finish:
             r = self._backend.low_latency_dispatch(*args, return_recv_hook)
-            event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_count, r.handle))
+            event = EventOverlap()
+        else:
+            with AsyncScope(self._comm, None) as scope:
+                r = self._backend.low_latency_dispatch(*args, return_recv_hook)
+                event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_count, r.handle))
         recv_x = (r.recv_x, r.recv_x_scales) if args[6] else r.recv_x
-        return c.output(recv_x), c.output(r.recv_count), c.output(r.handle), event, r.hook
+        return (*c.output((recv_x, r.recv_count, r.handle)), event, r.hook)
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: Tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -412,31 +457,39 @@ class Buffer:
             async_finish / return_recv_hook: as in low_latency_dispatch.
         Returns: combined_x [N, H] bfloat16, event, hook (or None).
         """
-        c = self._begin("low_latency_combine")
-        async_finish, return_recv_hook = validate.exclusive_hook(c, async_finish, return_recv_hook)
-        low_latency = self._low_latency(c)
+        c = self._begin("Buffer.low_latency_combine")
+        if async_finish is not False or return_recv_hook is not False:
+            async_finish, return_recv_hook = validate.exclusive_hook(c, async_finish, return_recv_hook)
+        low_latency = self._low_latency_ops or self._low_latency(c)
         args = validate.ll_combine_args(c, low_latency.MAX_TOPK, x, topk_idx, topk_weights, handle, use_logfmt,
                                         zero_copy, out, combine_wait_recv_cost_stats)
-        _, _, t, h, e = args[3]
-        self._low_latency(c, (t, h, e))
-        backend_args = args[:6] + (return_recv_hook,) + args[6:]
-        with self._low_latency_scope(async_finish) as scope:
-            combined_x, hook = self._backend.low_latency_combine(*backend_args)
-            event = scope.finish(args, (combined_x,))
+        shape = args[3][2:]
+        if shape not in self._low_latency_fits:
+            self._low_latency(c, shape)
+        x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out_t, wait_stats = args
+        if not async_finish:
+            combined_x, hook = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt,
+                                                                 zero_copy, return_recv_hook, out_t, wait_stats)
+            event = EventOverlap()
+        else:
+            with AsyncScope(self._comm, None) as scope:
+                combined_x, hook = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt,
+                                                                     zero_copy, return_recv_hook, out_t, wait_stats)
+                event = scope.finish(args, (combined_x,))
         # Hand the caller's own `out` object back, as DeepEP returns `out` itself.
         result = out if out is not None and combined_x is args[6] else c.output(combined_x)
         return result, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: Tuple) -> Tensor:
         """The [E_l, R*T, H] bfloat16 view the next low_latency_combine(zero_copy=True) sends from."""
-        c = self._begin("get_next_low_latency_combine_buffer")
+        c = self._begin("Buffer.get_next_low_latency_combine_buffer")
         handle = validate.ll_handle(c, handle)
         self._low_latency(c, handle[2:])
         return c.output(self._backend.get_next_low_latency_combine_buffer(handle))
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (mask=True) or unmask a rank for low-latency calls; needs enable_shrink."""
-        c = self._begin("low_latency_update_mask_buffer")
+        c = self._begin("Buffer.low_latency_update_mask_buffer")
         self._shrink(c)
         rank_to_mask = c.integer("rank_to_mask", rank_to_mask, minimum=0)
         if rank_to_mask >= self.group_size:
@@ -445,14 +498,14 @@ class Buffer:
 
     def low_latency_query_mask_buffer(self, mask_status: Tensor) -> None:
         """Write each rank's mask state (1 masked, 0 not) into mask_status [R] int32; needs enable_shrink."""
-        c = self._begin("low_latency_query_mask_buffer")
+        c = self._begin("Buffer.low_latency_query_mask_buffer")
         self._shrink(c)
         mask_status = c.tensor("mask_status", mask_status, validate.I32, (self.group_size,), "[num_ranks]")
         self._backend.low_latency_query_mask_buffer(mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every rank; needs enable_shrink."""
-        c = self._begin("low_latency_clean_mask_buffer")
+        c = self._begin("Buffer.low_latency_clean_mask_buffer")
         self._shrink(c)
         self._backend.low_latency_clean_mask_buffer()
 

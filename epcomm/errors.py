@@ -30,5 +30,14 @@ class PeerTimeout(EpcommError):
                          f"({phase})")
 
 
+class DeviceCheckFailed(EpcommError):
+    """A kernel found a size or configuration violation only the GPU can see (a receive chunk larger
+    than its ring, more rows than num_worst_tokens, ranks calling with different configs)."""
+
+    def __init__(self, op: str, rank: int, peer: int, phase: str):
+        self.op, self.rank, self.peer, self.phase = op, rank, peer, phase
+        super().__init__(f"{op}: rank {rank} stopped: {phase} (peer {peer})")
+
+
 class BufferUnusable(EpcommError):
     """The Buffer saw a peer timeout or was destroyed; its communication state is no longer valid."""

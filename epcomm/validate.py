@@ -4,6 +4,13 @@ Each failure raises TypeError (wrong Python type or dtype) or ValueError (anythi
 device, contiguity, range, flags that do not go together) with a message that names the call, the
 argument, what was expected and what was given. A rejected call leaves the Buffer untouched.
 
+This runs on every call, on the host's critical path (a low-latency dispatch + combine pair has
+a budget of tens of microseconds on the host), so each check has a fast path for the valid case:
+a tensor is checked with one boolean expression over cheap attribute reads (dtype, device,
+contiguity, dim) and its fixed sizes are compared directly; only when that fails does the slow
+path work out which rule was broken, in a fixed order (dtype, device, shape, contiguity), and
+build the message.
+
 Values inside tensors (topk_idx in [-1, E)) are checked only for CPU tensors: on a GPU the check
 would need a device-to-host synchronisation, which would break async overlap and CUDA graphs.
 """
@@ -23,6 +30,7 @@ FP8_BLOCK = 128                   # channels per FP8 scale
 UE8M0_PER_INT = 4                 # packed UE8M0 exponents per int32
 BF16, FP8, F32, I32, I64, BOOL = (torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32,
                                   torch.int64, torch.bool)
+_Tensor = torch.Tensor
 
 
 class Call:
@@ -30,13 +38,16 @@ class Call:
     framework, so `output` can hand results back in it) and checks them against the Buffer's device
     and rank count. Every message starts with the operation's name."""
 
-    __slots__ = ("op", "device", "num_ranks", "framework")
+    __slots__ = ("op", "device", "num_ranks", "framework", "check_values")
 
-    def __init__(self, op: str, device: torch.device, num_ranks: int) -> None:
+    def __init__(self, op: str, device: torch.device, num_ranks: int, check_values: Optional[bool] = None) -> None:
+        """check_values: whether values are checked (default: for a CPU device, as they need the
+        data on the host, see the module doc); a Buffer passes it precomputed."""
         self.op = op
         self.device = device
         self.num_ranks = num_ranks
         self.framework = None
+        self.check_values = device.type == "cpu" if check_values is None else check_values
 
     def error(self, name: str, message: str, exc=ValueError) -> Exception:
         return exc(f"{self.op}: {name} {message}")
@@ -47,18 +58,19 @@ class Call:
 
     # ---- scalars -------------------------------------------------------------------------------
     def integer(self, name: str, value, minimum: Optional[int] = None) -> int:
-        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-            raise self.error(name, f"must be an int, got {type(value).__name__} {value!r}", TypeError)
-        value = operator.index(value)
+        if type(value) is not int:
+            if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+                raise self.error(name, f"must be an int, got {type(value).__name__} {value!r}", TypeError)
+            value = operator.index(value)
         if minimum is not None and value < minimum:
             raise self.error(name, f"must be >= {minimum}, got {value}")
         return value
 
     def flag(self, name: str, value) -> bool:
-        if isinstance(value, bool):
+        if value is True or value is False:
             return value
         numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
-        if numpy_bool or (isinstance(value, int) and value in (0, 1)):
+        if numpy_bool or (isinstance(value, int) and not isinstance(value, bool) and value in (0, 1)):
             return bool(value)
         raise self.error(name, f"must be a bool, got {type(value).__name__} {value!r}", TypeError)
 
@@ -85,7 +97,7 @@ class Call:
     def as_tensor(self, name: str, value) -> torch.Tensor:
         """`value` as a torch tensor: torch tensors as they are, DLPack producers (CuPy) zero-copy.
         The first tensor argument converted decides the framework of the outputs."""
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, _Tensor):
             if self.framework is None:
                 self.framework = "torch"
             return value
@@ -101,9 +113,8 @@ class Call:
     def tensor(self, name: str, value, dtype, shape: Tuple[Optional[int], ...], dims: str,
                contiguous: bool = True) -> torch.Tensor:
         """Check `value` is a tensor of `dtype` on the Buffer's device, with len(shape) dims, each
-        equal to shape[i] unless None (`dims` names them), and contiguous."""
-        # Plain statements, no generators: this runs for every tensor of every call.
-        if isinstance(value, torch.Tensor):
+        equal to shape[i] unless None (`dims` names them), and contiguous (unless told otherwise)."""
+        if type(value) is _Tensor:
             t = value
             if self.framework is None:
                 self.framework = "torch"
@@ -111,36 +122,50 @@ class Call:
             raise self.error(name, f"must be a {dtype} tensor {dims}, got None", TypeError)
         else:
             t = self.as_tensor(name, value)
+        if (t.dtype is not dtype or t.device != self.device or t.dim() != len(shape)
+                or (contiguous and not t.is_contiguous())):
+            self._reject(name, t, dtype, shape, dims, contiguous)
+        # Sizes: a fully fixed shape is one tuple comparison; wildcards (None) appear only in 1-D
+        # and 2-D shapes, where (None,) and (None, None) fix nothing.
+        if None not in shape:
+            if t.shape != shape:
+                self._reject(name, t, dtype, shape, dims, contiguous)
+        elif len(shape) == 2:
+            w0, w1 = shape
+            if w0 is not None or w1 is not None:
+                s0, s1 = t.shape
+                if (w0 is not None and w0 != s0) or (w1 is not None and w1 != s1):
+                    self._reject(name, t, dtype, shape, dims, contiguous)
+        elif len(shape) != 1:
+            raise AssertionError(f"{self.op}: {name}: wildcard sizes are for 1-D and 2-D shapes only")
+        return t
+
+    def _reject(self, name, t, dtype, shape, dims, contiguous):
+        """Raise the first rule `t` breaks: dtype, device, shape, contiguity."""
         if t.dtype != dtype:
             raise self.error(name, f"must have dtype {dtype}, got {t.dtype}", TypeError)
         if t.device != self.device:
             raise self.error(name, f"must be on the Buffer's device {self.device}, got {t.device}")
         actual = t.shape
-        fits = len(actual) == len(shape)
-        if fits:
-            for want, got in zip(shape, actual):
-                if want is not None and want != got:
-                    fits = False
-                    break
-        if not fits:
+        if len(actual) != len(shape) or any(w is not None and w != a for w, a in zip(shape, actual)):
             expected = ", ".join("*" if s is None else str(s) for s in shape)
             raise self.error(name, f"must have shape {dims} = [{expected}], got {list(actual)}")
         if contiguous and not t.is_contiguous():
             raise self.error(name, f"must be contiguous, got strides {t.stride()} for shape {list(actual)}")
-        return t
+        raise AssertionError(f"{self.op}: {name} was rejected without a reason")
 
     def optional_tensor(self, name, value, dtype, shape, dims, contiguous=True) -> Optional[torch.Tensor]:
         return None if value is None else self.tensor(name, value, dtype, shape, dims, contiguous)
 
-    def topk(self, name: str, t: torch.Tensor) -> int:
+    def topk(self, name: str, t: torch.Tensor, max_topk: int = MAX_TOPK, mode: str = "") -> int:
         k = t.shape[1]
-        if not 1 <= k <= MAX_TOPK:
-            raise self.error(name, f"must have 1 to {MAX_TOPK} columns (num_topk), got {k}")
+        if not 1 <= k <= max_topk:
+            raise self.error(name, f"must have 1 to {max_topk} columns (num_topk){mode}, got {k}")
         return k
 
     def values_in(self, name: str, t: torch.Tensor, low: int, high: int) -> None:
         """Every value of `t` lies in [low, high) (checked for CPU tensors only, see module doc)."""
-        if t.device.type != "cpu" or t.numel() == 0:
+        if not self.check_values or t.device.type != "cpu" or t.numel() == 0:
             return
         lo, hi = int(t.min()), int(t.max())
         if lo < low or hi >= high:
@@ -148,16 +173,16 @@ class Call:
 
     def handle_element(self, value):
         """A handle element: tensors (or DLPack arrays) converted to torch; other values as they are."""
-        if isinstance(value, torch.Tensor) or not hasattr(value, "__dlpack__"):
+        if isinstance(value, _Tensor) or not hasattr(value, "__dlpack__"):
             return value
         return self.as_tensor("handle", value)
 
     # ---- outputs -------------------------------------------------------------------------------
     def output(self, value):
         """`value` (a tensor, tuple / list of them, or anything else) in the caller's framework."""
-        if self.framework in (None, "torch"):
+        if self.framework is None or self.framework == "torch":
             return value
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, _Tensor):
             from .runtime.dlpack import from_torch
             return from_torch(value, self.framework)
         if isinstance(value, (tuple, list)):
@@ -177,6 +202,14 @@ def stream_args(c: Call, previous_event, async_finish, allocate_on_comm_stream):
 
 
 def layout_args(c: Call, topk_idx, num_experts) -> Tuple[torch.Tensor, int]:
+    # The valid case in one expression (layout is the cheapest call: its host time is mostly this
+    # and the launch); anything else takes the checks below, which raise the precise error.
+    if (type(num_experts) is int and type(topk_idx) is _Tensor and not c.check_values and num_experts >= 1
+            and not num_experts % c.num_ranks and topk_idx.dtype is TOPK_IDX_DTYPE and topk_idx.device == c.device
+            and topk_idx.dim() == 2 and topk_idx.is_contiguous() and 1 <= topk_idx.shape[1] <= MAX_TOPK):
+        if c.framework is None:
+            c.framework = "torch"
+        return topk_idx, num_experts
     num_experts = c.num_experts("num_experts", num_experts)
     topk_idx = c.tensor("topk_idx", topk_idx, TOPK_IDX_DTYPE, (None, None), "[num_tokens, num_topk]")
     c.topk("topk_idx", topk_idx)
@@ -197,7 +230,7 @@ def dispatch_x(c: Call, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         scales = c.tensor("x[1]", x[1], F32, (n, hidden // FP8_BLOCK), "[num_tokens, hidden / 128]",
                           contiguous=False)
         return data, scales
-    if isinstance(x, torch.Tensor) and x.dtype != BF16:
+    if isinstance(x, _Tensor) and x.dtype is not BF16:
         raise c.error("x", f"must be a torch.bfloat16 tensor or a tuple (float8_e4m3fn tensor, float32 "
                            f"scales), got a {x.dtype} tensor", TypeError)
     data = c.tensor("x", x, BF16, (None, None), "[num_tokens, hidden]")
@@ -215,7 +248,10 @@ def normal_handle(c: Call, handle, internode: bool) -> tuple:
         raise c.error("handle", f"must be the tuple returned by dispatch, got {type(handle).__name__}", TypeError)
     if len(handle) != length:
         raise c.error("handle", f"must be the {length}-tuple {mode} dispatch returns, got {len(handle)} elements")
-    items = tuple(c.handle_element(v) for v in handle)
+    if type(handle) is tuple and _all_torch_or_plain(handle):
+        items = handle
+    else:
+        items = tuple([c.handle_element(v) for v in handle])
     r = c.num_ranks
     if internode:
         c.tensor("handle[6] (recv_gbl_rank_prefix_sum)", items[6], I32, (r,), "[num_ranks]")
@@ -224,6 +260,14 @@ def normal_handle(c: Call, handle, internode: bool) -> tuple:
         c.tensor("handle[3] (recv_src_idx)", items[3], I32, (None,), "[num_recv_tokens]")
         c.tensor("handle[4] (is_token_in_rank)", items[4], BOOL, (None, r), "[num_tokens, num_ranks]")
     return items
+
+
+def _all_torch_or_plain(items) -> bool:
+    """No element needs a DLPack conversion (torch tensors, ints, None, ...)."""
+    for v in items:
+        if type(v) is not _Tensor and hasattr(v, "__dlpack__"):
+            return False
+    return True
 
 
 def dispatch_args(c: Call, internode: bool, num_local_ranks: int, x, handle, num_tokens_per_rank,
@@ -245,12 +289,13 @@ def dispatch_args(c: Call, internode: bool, num_local_ranks: int, x, handle, num
                                f"({handle[4].shape[0]}), got {n}")
         return (x, x_scales, handle, None, None, None, None, None, None, expert_alignment, num_worst_tokens)
 
-    required = [("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                ("num_tokens_per_expert", num_tokens_per_expert)]
-    if internode:
-        required.append(("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank))
-    missing = [name for name, value in required if value is None]
-    if missing:
+    if (num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None
+            or (internode and num_tokens_per_rdma_rank is None)):
+        required = [("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                    ("num_tokens_per_expert", num_tokens_per_expert)]
+        if internode:
+            required.append(("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank))
+        missing = [name for name, value in required if value is None]
         raise ValueError(f"{c.op}: {', '.join(missing)} must be given when handle is None "
                          f"(get them from Buffer.get_dispatch_layout)")
     num_tokens_per_rank = c.tensor("num_tokens_per_rank", num_tokens_per_rank, I32, (r,), "[num_ranks]")
@@ -293,15 +338,17 @@ def combine_args(c: Call, internode: bool, x, handle, topk_weights, bias) -> tup
         topk_weights = c.tensor("topk_weights", topk_weights, F32, (x.shape[0], None),
                                 "[num_recv_tokens, num_topk]")
         c.topk("topk_weights", topk_weights)
-    if bias is None or isinstance(bias, torch.Tensor) or hasattr(bias, "__dlpack__"):
+    if bias is None:
+        return x, handle, topk_weights, (None, None)
+    if isinstance(bias, _Tensor) or hasattr(bias, "__dlpack__"):
         biases, names = (bias, None), ("bias", "bias")
     elif isinstance(bias, (tuple, list)) and len(bias) == 2:
         biases, names = tuple(bias), ("bias[0]", "bias[1]")
     else:
         raise c.error("bias", f"must be None, a tensor or a 2-tuple of tensors, got {type(bias).__name__}",
                       TypeError)
-    biases = tuple(c.optional_tensor(name, b, BF16, (num_tokens, hidden), "[num_tokens, hidden]")
-                   for name, b in zip(names, biases))
+    biases = (c.optional_tensor(names[0], biases[0], BF16, (num_tokens, hidden), "[num_tokens, hidden]"),
+              c.optional_tensor(names[1], biases[1], BF16, (num_tokens, hidden), "[num_tokens, hidden]"))
     return x, handle, topk_weights, biases
 
 
@@ -329,10 +376,16 @@ def ll_dispatch_args(c: Call, max_topk: int, x, topk_idx, num_max_dispatch_token
                      use_ue8m0) -> tuple:
     """-> the arguments of Backend.low_latency_dispatch before return_recv_hook, normalised."""
     r = c.num_ranks
-    t = c.integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-    e = c.num_experts("num_experts", num_experts)
-    use_fp8, round_scale, use_ue8m0 = (c.flag("use_fp8", use_fp8), c.flag("round_scale", round_scale),
-                                       c.flag("use_ue8m0", use_ue8m0))
+    # Scalars: plain ints and bools pass inline checks (the low-latency host budget is tight);
+    # anything else goes through the general checks, which convert or raise.
+    t, e = num_max_dispatch_tokens_per_rank, num_experts
+    if type(t) is not int or t < 1:
+        t = c.integer("num_max_dispatch_tokens_per_rank", t, minimum=1)
+    if type(e) is not int or e < 1 or e % r:
+        e = c.num_experts("num_experts", e)
+    if not (type(use_fp8) is bool and type(round_scale) is bool and type(use_ue8m0) is bool):
+        use_fp8, round_scale, use_ue8m0 = (c.flag("use_fp8", use_fp8), c.flag("round_scale", round_scale),
+                                           c.flag("use_ue8m0", use_ue8m0))
     x = c.tensor("x", x, BF16, (None, None), "[num_tokens, hidden]")
     n, hidden = x.shape
     if n > t:
@@ -346,14 +399,15 @@ def ll_dispatch_args(c: Call, max_topk: int, x, topk_idx, num_max_dispatch_token
         what = "UE8M0 scales" if use_fp8 and use_ue8m0 else "FP8" if use_fp8 else "BF16"
         raise c.error("x", f"hidden size must be a positive multiple of {multiple} with {what}, got {hidden}")
     topk_idx = c.tensor("topk_idx", topk_idx, TOPK_IDX_DTYPE, (n, None), "[num_tokens, num_topk]")
-    k = topk_idx.shape[1]
-    if not 1 <= k <= max_topk:
-        raise c.error("topk_idx", f"must have 1 to {max_topk} columns (num_topk) in low-latency mode, got {k}")
+    c.topk("topk_idx", topk_idx, max_topk, " in low-latency mode")
     c.values_in("topk_idx", topk_idx, -1, e)
-    cumulative = c.optional_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                                   I32, (e // r,), "[num_local_experts]")
-    wait_stats = c.optional_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, I64, (r,),
-                                   "[num_ranks]")
+    cumulative = wait_stats = None
+    if cumulative_local_expert_recv_stats is not None:
+        cumulative = c.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                              I32, (e // r,), "[num_local_experts]")
+    if dispatch_wait_recv_cost_stats is not None:
+        wait_stats = c.tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, I64, (r,),
+                              "[num_ranks]")
     return x, topk_idx, t, e, cumulative, wait_stats, use_fp8, round_scale, use_ue8m0
 
 
@@ -363,8 +417,11 @@ def ll_handle(c: Call, handle) -> tuple:
         got = f"{len(handle)} elements" if isinstance(handle, (tuple, list)) else type(handle).__name__
         raise c.error("handle", f"must be the 5-tuple (src_info, layout_range, num_max_dispatch_tokens_per_rank, "
                                 f"hidden, num_experts) low_latency_dispatch returns, got {got}", TypeError)
-    t, h, e = ll_shape(c, handle[2], handle[3], handle[4])
+    t, h, e = handle[2], handle[3], handle[4]
     r = c.num_ranks
+    if not (type(t) is int and type(h) is int and type(e) is int and t >= 1 and h >= 1 and not h % 8
+            and e >= 1 and not e % r):
+        t, h, e = ll_shape(c, t, h, e)
     src_info = c.tensor("handle[0] (src_info)", handle[0], I32, (e // r, r * t),
                         "[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank]")
     layout_range = c.tensor("handle[1] (layout_range)", handle[1], I64, (e // r, r), "[num_local_experts, num_ranks]")
@@ -374,22 +431,26 @@ def ll_handle(c: Call, handle) -> tuple:
 def ll_combine_args(c: Call, max_topk: int, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
                     combine_wait_recv_cost_stats) -> tuple:
     """-> (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, wait_stats), normalised."""
-    x = c.as_tensor("x", x)   # first, so x decides the framework of the outputs
+    if type(x) is not _Tensor:
+        x = c.as_tensor("x", x)   # first, so x decides the framework of the outputs
     handle = ll_handle(c, handle)
     _, _, t, hidden, e = handle
     r = c.num_ranks
     x = c.tensor("x", x, BF16, (e // r, r * t, hidden),
                  "[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden of the handle]")
     topk_idx = c.tensor("topk_idx", topk_idx, TOPK_IDX_DTYPE, (None, None), "[num_tokens, num_topk]")
-    n, k = topk_idx.shape
+    n = topk_idx.shape[0]
     if n > t:
         raise c.error("topk_idx", f"must have at most num_max_dispatch_tokens_per_rank ({t}) rows, got {n}")
-    if not 1 <= k <= max_topk:
-        raise c.error("topk_idx", f"must have 1 to {max_topk} columns (num_topk) in low-latency mode, got {k}")
+    k = c.topk("topk_idx", topk_idx, max_topk, " in low-latency mode")
     c.values_in("topk_idx", topk_idx, -1, e)
     topk_weights = c.tensor("topk_weights", topk_weights, F32, (n, k), "[num_tokens, num_topk]")
-    out = c.optional_tensor("out", out, BF16, (n, hidden), "[num_tokens, hidden]")
-    wait_stats = c.optional_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, I64, (r,),
-                                   "[num_ranks]")
-    return (x, topk_idx, topk_weights, handle, c.flag("use_logfmt", use_logfmt), c.flag("zero_copy", zero_copy),
-            out, wait_stats)
+    if out is not None:
+        out = c.tensor("out", out, BF16, (n, hidden), "[num_tokens, hidden]")
+    wait_stats = None
+    if combine_wait_recv_cost_stats is not None:
+        wait_stats = c.tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, I64, (r,),
+                              "[num_ranks]")
+    if not (type(use_logfmt) is bool and type(zero_copy) is bool):
+        use_logfmt, zero_copy = c.flag("use_logfmt", use_logfmt), c.flag("zero_copy", zero_copy)
+    return x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, wait_stats

@@ -10,7 +10,7 @@ import epcomm
 from epcomm import Buffer, Config, EventOverlap
 from epcomm.config import COMBINE_CHUNKS, DISPATCH_CHUNKS
 from epcomm.event import stream_wait_event
-from epcomm.streams import CommStreamScope, tensors_in
+from epcomm.streams import AsyncScope, new_comm_stream, tensors_in, wait_previous
 
 
 # ---- Config ------------------------------------------------------------------------------------
@@ -150,13 +150,22 @@ def test_event_overlap_waits_even_when_the_body_raises():
 
 
 # ---- streams on CPU ----------------------------------------------------------------------------
-def test_comm_stream_scope_is_synchronous_without_a_stream():
+def test_async_scope_is_synchronous_without_a_stream():
     a, b = torch.zeros(1), torch.ones(2)
-    for async_finish in (False, True):
-        with CommStreamScope(None, EventOverlap(HandleLikeDeepEP()), async_finish) as scope:
-            event = scope.finish((a,), (b,))
-        assert isinstance(event, EventOverlap) and event.event is None
+    previous = HandleLikeDeepEP()
+    with AsyncScope(None, EventOverlap(previous)) as scope:
+        event = scope.finish((a,), (b,))
+    assert isinstance(event, EventOverlap) and event.event is None and previous.waits == 0
+    assert new_comm_stream(torch.device("cpu")) is None
     assert list(tensors_in([a, None, (b, None, [a]), 3, "x"])) == [a, b, a]
+
+
+def test_synchronous_call_waits_for_previous_event_on_the_current_stream():
+    previous = HandleLikeDeepEP()
+    wait_previous(EventOverlap(previous))
+    assert previous.waits == 1
+    wait_previous(EventOverlap())       # no event: nothing to wait for
+    wait_previous(None)
 
 
 def test_capture_without_cuda_gives_an_empty_event():

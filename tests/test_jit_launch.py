@@ -47,6 +47,10 @@ int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
                    unsigned smem, void *stream, void **params, void **extra) {
     unsigned dims[7] = {gx, gy, gz, bx, by, bz, smem}; last_coop = -1; return record(dims, stream, params);
 }
+int cuLaunchCooperativeKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                              unsigned bz, unsigned smem, void *stream, void **params) {
+    unsigned dims[7] = {gx, gy, gz, bx, by, bz, smem}; last_coop = 2; return record(dims, stream, params);
+}
 int cuLaunchKernelEx(const Config *c, void *f, void **params, void **extra) {
     last_coop = 0;
     for (unsigned i = 0; i < c->nattrs; ++i) {
@@ -95,9 +99,18 @@ def test_plain_launch_passes_dims_stream_and_params_by_value(fake):
     assert bytes((ctypes.c_ubyte * 24).in_dll(fake, "last_params")) == bytes(params)
 
 
-def test_cooperative_and_cluster_go_through_launch_kernel_ex(fake):
+def test_cooperative_and_cluster_launches(fake):
+    """Cooperative: cuLaunchCooperativeKernel (marker 2 in the fake); with a cluster, or on a driver
+    without it, cuLaunchKernelEx with the cooperative attribute (1); cluster only: Ex (0)."""
     k = make_kernel()
-    k.launch((264, 1, 1), (256, 1, 1), Params(), 7, cooperative=True)      # 2 per SM x 132 SMs
+    k.launch((264, 1, 1), (256, 1, 1), Params(0xA, 1, 2), 7, smem=64, cooperative=True)  # 2 per SM x 132 SMs
+    assert read(fake, "last_coop") == 2 and read(fake, "launches") == 1
+    assert list((ctypes.c_uint * 7).in_dll(fake, "last_dims")) == [264, 1, 1, 256, 1, 1, 64]
+    assert bytes((ctypes.c_ubyte * 24).in_dll(fake, "last_params")) == bytes(Params(0xA, 1, 2))
+    k.launch((4, 1, 1), (64, 1, 1), Params(), 7, cooperative=True, cluster=(2, 1, 1))
+    assert read(fake, "last_coop") == 1
+    k._launch_cooperative = None
+    k.launch((4, 1, 1), (64, 1, 1), Params(), 7, cooperative=True)
     assert read(fake, "last_coop") == 1
     k.launch((8, 1, 1), (64, 1, 1), Params(), 7, cluster=(2, 1, 1))
     assert read(fake, "last_coop") == 0
@@ -117,10 +130,49 @@ def test_params_size_is_checked_against_the_kernel(fake):
     assert read(fake, "launches") == 0
 
 
+class FillParams(ctypes.Structure):
+    _fields_ = [("out", ctypes.c_void_p), ("n", ctypes.c_longlong), ("value", ctypes.c_int)]
+
+
+class RowParams(ctypes.Structure):     # as large as FillParams: only the name tells them apart
+    _fields_ = [("dst", ctypes.c_void_p), ("src", ctypes.c_void_p), ("rows", ctypes.c_int),
+                ("row_bytes", ctypes.c_int)]
+
+
+def test_params_class_is_checked_against_the_mangled_parameter_type(fake):
+    k = launch.Kernel("epcomm::fill<5>", "_ZN6epcomm4fillILi5EEEvNS_10FillParamsE", function=0x1000,
+                      context=0xC0, device_index=0, num_sms=132)
+    with pytest.raises(TypeError, match="takes a FillParams argument, got a RowParams"):
+        k.launch((1, 1, 1), (32, 1, 1), RowParams(), 0)
+    assert read(fake, "launches") == 0
+    k.launch((1, 1, 1), (32, 1, 1), FillParams(1, 2, 3), 0)
+
+    class Derived(FillParams):         # a subclass of the mirror is the mirror
+        pass
+    k.launch((1, 1, 1), (32, 1, 1), Derived(1, 2, 3), 0)
+    assert read(fake, "launches") == 2
+    with pytest.raises(TypeError, match="FillParams"):   # the check is per class, not first-only
+        k.launch((1, 1, 1), (32, 1, 1), RowParams(), 0)
+
+
+@pytest.mark.parametrize("lowered, names", [
+    ("_ZN6epcomm13layout_kernelILi8ELi256ELi2ELi2ExLi16ELi512EEEvNS_12LayoutParamsE", {"LayoutParams"}),
+    ("_ZN6epcomm2ll15dispatch_kernelILi7168ELi8ELi2ELi288ELi128ELb1ELb0ELb0ExLi512EEEvNS0_14DispatchParamsE",
+     {"DispatchParams"}),
+    ("_ZN6epcomm9intranode15dispatch_kernelILi2ELi896ELi0ExLb1EEEvNS0_14DispatchParamsE", {"DispatchParams"}),
+    ("_ZN6epcomm2ll14combine_kernelILi7168ELi8ELi2ELi288ELi128ExLi512EEEvNS0_13CombineParamsE", {"CombineParams"}),
+    ("_ZN6epcomm8smem_sumENS_10FillParamsE", {"FillParams"}),
+    ("_Z5probe", set()), ("_Z1aILi1EEvv", set()), ("_Z3fooi", set())])
+def test_param_type_names_from_mangled_kernel_names(lowered, names):
+    assert launch.param_type_names(lowered) == names
+
+
 def test_launch_retries_in_the_kernels_context(fake):
     ctypes.c_int.in_dll(fake, "needs_context").value = 1
     make_kernel().launch((1, 1, 1), (32, 1, 1), Params(), 0)
     assert read(fake, "launches") == 1 and read(fake, "pushes") == 1
+    make_kernel().launch((4, 1, 1), (32, 1, 1), Params(), 0, cooperative=True)
+    assert read(fake, "launches") == 2 and read(fake, "pushes") == 2 and read(fake, "last_coop") == 2
 
 
 def test_failed_launch_names_kernel_error_and_config(fake):
@@ -166,3 +218,50 @@ def test_get_kernel_loads_once_in_the_primary_context(fake, monkeypatch):
     assert read(fake, "loads") == 2
     with pytest.raises(KeyError, match="epcomm::c"):
         module.get_kernel(src, "epcomm::c<3>", 1)
+
+
+def test_layout_host_path_is_allocations_and_one_launch(fake, monkeypatch):
+    """epcomm.ops.layout per call, counted: the outputs' allocations (one per output, no memset:
+    the kernel zeroes what it accumulates into) and one launch, plain for one block, cooperative
+    for more; the Params point at the outputs. CPU tensors stand in for device memory."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from epcomm.ops import layout
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ctypes.c_int.in_dll(fake, "param_size").value = ctypes.sizeof(layout.LayoutParams)
+    k, e = 4, 64
+    kernel = launch.Kernel("layout", "_ZN6epcomm13layout_kernelILi4ELi64ELi4ELi2ExLi16ELi512EEEvNS_12LayoutParamsE",
+                           function=0x1000, context=0xC0, device_index=0, num_sms=132)
+    monkeypatch.setattr(layout, "_PLANS", {})
+    monkeypatch.setattr(layout, "_current_stream", lambda device_index: 0x77)
+    for n, ranks, local, blocks in ((100, 4, 2, 1), (4096, 4, 2, 8), (100_000, 4, 4, 132)):
+        topk_idx = torch.zeros(n, k, dtype=torch.int64)
+        key = (k, e, ranks, local, torch.int64, -1, None, topk_idx.data_ptr() % 16)
+        layout._PLANS[key] = layout._Plan(kernel, 4 * (e + ranks + ranks // local), torch.device("cpu"),
+                                          ranks // local, 132)
+        launches = read(fake, "launches")
+        with CountOps() as counted:
+            per_rank, per_node, per_expert, in_rank = layout.get_dispatch_layout(topk_idx, e, ranks, local)
+        nodes = ranks // local
+        assert counted.ops == ["aten.new_empty.default"] * (3 + (nodes > 1)), (n, counted.ops)
+        assert read(fake, "launches") == launches + 1
+        assert read(fake, "last_coop") == (-1 if blocks == 1 else 2), "plain launch for one block only"
+        assert list((ctypes.c_uint * 7).in_dll(fake, "last_dims"))[:4] == [blocks, 1, 1, layout.THREADS]
+        assert read(fake, "last_stream", ctypes.c_void_p) == 0x77
+        sent = layout.LayoutParams.from_buffer_copy(bytes((ctypes.c_ubyte * 48).in_dll(fake, "last_params")))
+        assert (sent.topk_idx, sent.num_tokens_per_rank, sent.num_tokens_per_expert, sent.is_token_in_rank,
+                sent.num_tokens) == (topk_idx.data_ptr(), per_rank.data_ptr(), per_expert.data_ptr(),
+                                     in_rank.data_ptr(), n)
+        assert (sent.num_tokens_per_rdma_rank or 0) == (per_node.data_ptr() if nodes > 1 else 0)
+        assert per_rank.shape == (ranks,) and per_expert.shape == (e,) and in_rank.shape == (n, ranks)
+        assert per_rank.dtype == per_expert.dtype == torch.int32 and in_rank.dtype == torch.bool
+        assert per_node is None if nodes == 1 else per_node.shape == (nodes,)

@@ -17,7 +17,9 @@ struct ErrorRecord {
 };
 static_assert(sizeof(ErrorRecord) == 32, "ErrorRecord layout is mirrored in Python");
 
-enum ErrorCode : int { kOk = 0, kPeerTimeout = 1 };
+// kDeviceCheckFailed: a size / configuration violation that only the GPU can see (e.g. more rows
+// than num_worst_tokens); epcomm.errors.DeviceCheckFailed on the host.
+enum ErrorCode : int { kOk = 0, kPeerTimeout = 1, kDeviceCheckFailed = 2 };
 
 struct WaitContext {
     ErrorRecord *err;                 // host-mapped record (device pointer)

@@ -18,7 +18,9 @@ G comes from Config.num_sms (intranode_plan.num_chunks) and must be equal on eve
 """
 from __future__ import annotations
 
-from typing import List, Optional
+import os
+import weakref
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -50,32 +52,125 @@ def representative_sources() -> List[KernelSource]:
     return [_source(name) for name in names]
 
 
-def _source(name: str) -> KernelSource:
-    return KernelSource("intranode.cu", (name,))
+def _source(name: str, trace: bool = False) -> KernelSource:
+    return KernelSource("intranode.cu", (name,), (("EPCOMM_INTRANODE_TRACE", 1),) if trace else ())
 
 
-def _kernel(gb, name: str):
+def _kernel(gb, name: str, trace: bool):
     """The kernel for the device's feature set, read per call so EPCOMM_ARCH=sm80 can be set late."""
-    return get_kernel(_source(name), 0, gb.device_index, device_arch(gb.device_index).feature)
+    return get_kernel(_source(name, trace), 0, gb.device_index, device_arch(gb.device_index).feature)
 
 
-# ---- checks and setup ------------------------------------------------------------------------
+# ---- profiling mode (EPCOMM_INTRANODE_TRACE=1) -----------------------------------------------
+# Kernels built with -DEPCOMM_INTRANODE_TRACE stamp %globaltimer per warp and phase into a device
+# buffer (slots: intranode_plan.TRACE_SLOTS); last_trace() returns the latest launch's stamps.
+# The environment is read once, at import (a read per call costs ~2.5 us); set_tracing switches.
+_TRACE: Dict[int, Tuple[torch.Tensor, int]] = {}   # device index -> (buffer, blocks of the last launch)
+_tracing_on = os.environ.get("EPCOMM_INTRANODE_TRACE", "0") == "1"
+
+
+def set_tracing(on: bool) -> None:
+    """Use the tracing kernel builds from the next call on (bench/intranode_trace.py)."""
+    global _tracing_on
+    _tracing_on = bool(on)
+
+
+def _trace_buffer(device, device_index: int, blocks: int) -> int:
+    """Zeroed trace rows for `blocks` blocks (tracing builds only); returns the device pointer."""
+    need = blocks * plan.TRACE_WARPS * len(plan.TRACE_SLOTS)
+    buf = _TRACE.get(device_index, (None, 0))[0]
+    if buf is None or buf.numel() < need:
+        buf = torch.zeros(need, dtype=torch.int64, device=device)
+    buf[:need].zero_()
+    _TRACE[device_index] = (buf, blocks)
+    return buf.data_ptr()
+
+
+def last_trace(device_index: int) -> Optional[torch.Tensor]:
+    """[blocks, TRACE_WARPS, len(TRACE_SLOTS)] int64 on the CPU, of the latest traced launch on this
+    device (synchronises the device), or None when nothing was traced."""
+    if device_index not in _TRACE:
+        return None
+    buf, blocks = _TRACE[device_index]
+    torch.cuda.synchronize(device_index)
+    return buf[:blocks * plan.TRACE_WARPS * len(plan.TRACE_SLOTS)].view(
+        blocks, plan.TRACE_WARPS, len(plan.TRACE_SLOTS)).cpu()
+
+
+# ---- checks, launch geometry ------------------------------------------------------------------
 def _prepare(gb, config, what: str) -> None:
     """Per-call checks. (The NVL buffer, hence the signal header, is zero from construction.)"""
-    if gb.nvl is None:
+    nvl = gb.nvl
+    if nvl is None:
         raise ValueError(f"{what}: intranode mode needs an NVL buffer; build the Buffer with "
                          f"num_nvl_bytes > 0 (Config.get_nvl_buffer_size_hint gives a good size)")
     if config.num_sms > gb.arch.num_sms:
         raise ValueError(f"{what}: Config.num_sms={config.num_sms} exceeds the device's "
                          f"{gb.arch.num_sms} SMs")
     header = plan.header_bytes(gb.num_ranks)
-    if header > gb.nvl.nbytes:
-        raise ValueError(f"{what}: num_nvl_bytes={gb.nvl.nbytes} is smaller than the {header}-byte "
+    if header > nvl.nbytes:
+        raise ValueError(f"{what}: num_nvl_bytes={nvl.nbytes} is smaller than the {header}-byte "
                          f"signal header of {gb.num_ranks} ranks (Config.get_nvl_buffer_size_hint)")
-    if not all(gb.nvl.peer_ptrs):
-        unreachable = [r for r, ptr in enumerate(gb.nvl.peer_ptrs) if not ptr]
+    if not all(nvl.peer_ptrs):
+        unreachable = [r for r, ptr in enumerate(nvl.peer_ptrs) if not ptr]
         raise ValueError(f"{what}: ranks {unreachable} are not reachable over NVLink/P2P from rank "
                          f"{gb.rank}; intranode mode needs every rank in one NVLink domain")
+
+
+class _Geometry:
+    """What a launch needs besides the tensors, for one (NVL buffer, kernel, SMs) combination:
+    checked and looked up once, then reused call after call (the host path is the whole cost of
+    a small call)."""
+    __slots__ = ("owner", "kernel", "blocks", "send_blocks", "staging", "record", "rows", "peer_bases")
+
+    def __init__(self, nvl, kernel, split, staging: int, record: int, rows: int):
+        self.owner = weakref.ref(nvl)   # keys hold id(nvl): an entry is valid for that object only
+        self.kernel, self.blocks, self.send_blocks = kernel, split.blocks, split.send_blocks
+        self.staging, self.record, self.rows = staging, record, rows
+        self.peer_bases = nvl.peer_table.data_ptr()
+
+
+_GEOMETRY: Dict[tuple, _Geometry] = {}
+
+
+def _geometry(gb, config, key: tuple, build) -> _Geometry:
+    nvl = gb.nvl
+    geometry = _GEOMETRY.get(key) if nvl is not None else None
+    if geometry is None or geometry.owner() is not nvl:
+        _prepare(gb, config, key[0])
+        geometry = _GEOMETRY[key] = build(nvl)
+    return geometry
+
+
+def _dispatch_geometry(gb, config, row_bytes: int, num_scales: int, num_topk: int,
+                       index_type: str, num_local_experts: int, fresh: bool, trace: bool) -> _Geometry:
+    num_ranks, num_sms = gb.num_ranks, config.num_sms
+    key = ("dispatch", id(gb.nvl), num_sms, device_arch(gb.device_index).feature, row_bytes,
+           num_scales, num_topk, index_type, num_local_experts, fresh, trace)
+
+    def build(nvl):
+        staging = plan.dispatch_staging_offset(num_ranks, num_local_experts) if fresh else \
+            plan.combine_staging_offset(num_ranks)
+        record = plan.dispatch_record_bytes(row_bytes, num_scales, num_topk)
+        rows = plan.ring_rows(nvl.nbytes, staging, record, num_ranks, "dispatch")
+        name = plan.dispatch_kernel(num_ranks, row_bytes, num_scales, index_type, fresh)
+        return _Geometry(nvl, _kernel(gb, name, trace), plan.dispatch_split(num_sms, num_ranks),
+                         staging, record, rows)
+    return _geometry(gb, config, key, build)
+
+
+def _combine_geometry(gb, config, row_bytes: int, num_topk: int, trace: bool) -> _Geometry:
+    num_ranks, num_sms = gb.num_ranks, config.num_sms
+    key = ("combine", id(gb.nvl), num_sms, device_arch(gb.device_index).feature, row_bytes,
+           num_topk, trace)
+
+    def build(nvl):
+        staging = plan.combine_staging_offset(num_ranks)
+        record = plan.combine_record_bytes(row_bytes, num_topk)
+        rows = plan.ring_rows(nvl.nbytes, staging, record, num_ranks, "combine")
+        return _Geometry(nvl, _kernel(gb, plan.combine_kernel(num_ranks, row_bytes), trace),
+                         plan.combine_split(num_sms, num_ranks), staging, record, rows)
+    return _geometry(gb, config, key, build)
 
 
 def _aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -87,8 +182,17 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
-def _launch(kernel, grid: int, threads: int, params) -> None:
-    kernel.launch((grid, 1, 1), (threads, 1, 1), params, torch.cuda.current_stream().cuda_stream)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream(device_index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def _launch(gb, kernel, grid: int, threads: int, params) -> None:
+    kernel.launch((grid, 1, 1), (threads, 1, 1), params, _stream(gb.device_index))
 
 
 # ---- dispatch --------------------------------------------------------------------------------
@@ -97,23 +201,28 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
              num_worst_tokens, config) -> DispatchResult:
     """Backend.dispatch for ranks in one NVLink domain (arguments validated by Buffer)."""
     what = "dispatch"
-    _prepare(gb, config, what)
-    num_ranks, rank, device = gb.num_ranks, gb.rank, gb.device
-    x, topk_idx, topk_weights = _aligned(x), _aligned(topk_idx), _aligned(topk_weights)
+    num_ranks, device, trace = gb.num_ranks, gb.device, _tracing_on
+    x = _aligned(x)
     num_tokens, hidden = x.shape
     row_bytes = hidden * x.element_size()
     num_scales = 0 if x_scales is None else x_scales.shape[1]
     fresh = handle is None
 
     if fresh:
+        topk_idx, topk_weights = _aligned(topk_idx), _aligned(topk_weights)
         if num_worst_tokens == 0 and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{what}: an exact-size dispatch reads the received counts on the host, "
                                f"which a CUDA graph cannot capture; pass num_worst_tokens > 0 (or a "
                                f"cached handle) under capture")
         chunks = plan.num_chunks(config.num_sms, num_ranks)
         num_local_experts = num_tokens_per_expert.shape[0] // num_ranks
+        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
+        index_type = _INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
+        # Checks (ValueError) before anything is launched.
+        geometry = _dispatch_geometry(gb, config, row_bytes, num_scales, num_topk, index_type,
+                                      num_local_experts, True, trace)
         rank_prefix, channel_prefix, recv_channel_prefix, send_head, info = _notify(
-            gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts)
+            gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts, trace)
         expert_counts: List[int] = []
         if num_worst_tokens > 0:
             num_out_rows = num_worst_tokens
@@ -121,45 +230,40 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
             num_out_rows, expert_counts = _read_counts(gb, info, chunks, num_local_experts,
                                                        expert_alignment, row_bytes, num_scales,
                                                        topk_idx, what)
-        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
-        index_type = _INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
     else:
-        rank_prefix, channel_prefix, recv_channel_prefix, _, is_token_in_rank, send_head = handle
+        rank_prefix, channel_prefix, recv_channel_prefix, recv_src, is_token_in_rank, send_head = handle
         chunks = channel_prefix.shape[1] - 1
         num_local_experts, num_topk, index_type = 0, 0, "int"
-        num_out_rows = handle[3].shape[0]   # exact M, or num_worst_tokens of the fresh call
-
-    staging = plan.dispatch_staging_offset(num_ranks, num_local_experts) if fresh else \
-        plan.combine_staging_offset(num_ranks)
-    record = plan.dispatch_record_bytes(row_bytes, num_scales, num_topk)
-    rows = plan.ring_rows(gb.nvl.nbytes, staging, record, num_ranks, what)
+        topk_idx = topk_weights = None
+        num_out_rows = recv_src.shape[0]   # exact M, or num_worst_tokens of the fresh call
+        geometry = _dispatch_geometry(gb, config, row_bytes, num_scales, 0, "int", 0, False, trace)
 
     recv_x = torch.empty((num_out_rows, hidden), dtype=x.dtype, device=device)
     recv_scales = None if x_scales is None else \
         torch.empty((num_out_rows, num_scales), dtype=torch.float32, device=device)
-    recv_topk_idx = recv_topk_weights = None
-    recv_src_idx = torch.empty((num_out_rows,), dtype=torch.int32, device=device) if fresh else None
-    if num_topk:
-        recv_topk_idx = torch.empty((num_out_rows, num_topk), dtype=topk_idx.dtype, device=device)
-        recv_topk_weights = torch.empty((num_out_rows, num_topk), dtype=torch.float32, device=device)
+    recv_topk_idx = recv_topk_weights = recv_src_idx = None
+    if fresh:
+        recv_src_idx = torch.empty((num_out_rows,), dtype=torch.int32, device=device)
+        if num_topk:
+            recv_topk_idx = torch.empty((num_out_rows, num_topk), dtype=topk_idx.dtype, device=device)
+            recv_topk_weights = torch.empty((num_out_rows, num_topk), dtype=torch.float32, device=device)
 
-    split = plan.dispatch_split(config.num_sms, num_ranks)
-    kernel = _kernel(gb, plan.dispatch_kernel(num_ranks, row_bytes, num_scales, index_type, fresh))
     params = plan.DispatchParams(
         x=_ptr(x), x_scales=_ptr(x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
-        rank_prefix=_ptr(rank_prefix), channel_prefix=_ptr(channel_prefix),
-        recv_channel_prefix=_ptr(recv_channel_prefix), send_head=_ptr(send_head),
+        rank_prefix=rank_prefix.data_ptr(), channel_prefix=channel_prefix.data_ptr(),
+        recv_channel_prefix=recv_channel_prefix.data_ptr(), send_head=_ptr(send_head),
         recv_x=_ptr(recv_x), recv_x_scales=_ptr(recv_scales), recv_topk_idx=_ptr(recv_topk_idx),
         recv_topk_weights=_ptr(recv_topk_weights), recv_src_idx=_ptr(recv_src_idx),
-        peer_bases=gb.nvl.peer_table.data_ptr(), err=gb.status.device_ptr,
+        peer_bases=geometry.peer_bases, err=gb.status.device_ptr,
         scale_stride_token=x_scales.stride(0) if x_scales is not None else 0,
         scale_stride_group=x_scales.stride(1) if x_scales is not None else 0,
-        timeout_ns=gb.timeout_ns, staging_offset=staging, ring_rows=rows, record_bytes=record,
-        num_tokens=num_tokens, num_chunks=chunks,
+        timeout_ns=gb.timeout_ns, staging_offset=geometry.staging, ring_rows=geometry.rows,
+        record_bytes=geometry.record, num_tokens=num_tokens, num_chunks=chunks,
         tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks), num_topk=num_topk,
-        num_local_experts=num_local_experts, num_out_rows=num_out_rows, rank=rank,
-        num_send_blocks=split.send_blocks, op=DISPATCH_OP)
-    _launch(kernel, split.blocks, plan.THREADS, params)
+        num_local_experts=num_local_experts, num_out_rows=num_out_rows, rank=gb.rank,
+        num_send_blocks=geometry.send_blocks, op=DISPATCH_OP,
+        trace=_trace_buffer(device, gb.device_index, geometry.blocks) if trace else 0)
+    _launch(gb, geometry.kernel, geometry.blocks, plan.THREADS, params)
 
     if not fresh:
         return DispatchResult(recv_x, recv_scales, None, None, None, None)
@@ -169,7 +273,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
                           new_handle)
 
 
-def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts):
+def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts, trace):
     num_ranks, device = gb.num_ranks, gb.device
     num_tokens = is_token_in_rank.shape[0]
     info = torch.empty((num_ranks * num_ranks + num_local_experts + 1,), dtype=torch.int32, device=device)
@@ -183,8 +287,9 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
         peer_bases=gb.nvl.peer_table.data_ptr(), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
         notify_offset=plan.header_bytes(num_ranks), num_tokens=num_tokens, num_chunks=chunks,
         tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
-        num_local_experts=num_local_experts, rank=gb.rank, op=DISPATCH_OP)
-    _launch(_kernel(gb, plan.notify_kernel(num_ranks)), 1, plan.NOTIFY_THREADS, params)
+        num_local_experts=num_local_experts, rank=gb.rank, op=DISPATCH_OP,
+        trace=_trace_buffer(device, gb.device_index, 1) if trace else 0)
+    _launch(gb, _kernel(gb, plan.notify_kernel(num_ranks), trace), 1, plan.NOTIFY_THREADS, params)
     rank_prefix = info[:num_ranks * num_ranks].view(num_ranks, num_ranks)
     return rank_prefix, channel_prefix, recv_channel_prefix, send_head, info
 
@@ -221,33 +326,29 @@ def _read_counts(gb, info, chunks, num_local_experts, expert_alignment, row_byte
 # ---- combine ---------------------------------------------------------------------------------
 def combine(gb, x, handle, topk_weights, bias, config):
     """Backend.combine: unweighted fp32 sum of the rows each token sent out, plus bias."""
-    what = "combine"
-    _prepare(gb, config, what)
-    num_ranks, device = gb.num_ranks, gb.device
+    device, trace = gb.device, _tracing_on
     rank_prefix, channel_prefix, recv_channel_prefix, _, is_token_in_rank, send_head = handle
     x, topk_weights = _aligned(x.contiguous()), _aligned(topk_weights)
-    bias0, bias1 = (_aligned(b) for b in bias)
+    bias0, bias1 = bias
+    bias0, bias1 = _aligned(bias0), _aligned(bias1)
     num_tokens, hidden = is_token_in_rank.shape[0], x.shape[1]
     chunks = channel_prefix.shape[1] - 1
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-    row_bytes = hidden * 2
-    staging = plan.combine_staging_offset(num_ranks)
-    record = plan.combine_record_bytes(row_bytes, num_topk)
-    rows = plan.ring_rows(gb.nvl.nbytes, staging, record, num_ranks, what)
+    geometry = _combine_geometry(gb, config, hidden * 2, num_topk, trace)
 
     combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
     combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device) \
         if num_topk else None
-    split = plan.combine_split(config.num_sms, num_ranks)
     params = plan.CombineParams(
         x=_ptr(x), topk_weights=_ptr(topk_weights), bias0=_ptr(bias0), bias1=_ptr(bias1),
-        rank_prefix=_ptr(rank_prefix), channel_prefix=_ptr(channel_prefix),
-        recv_channel_prefix=_ptr(recv_channel_prefix), send_head=_ptr(send_head),
+        rank_prefix=rank_prefix.data_ptr(), channel_prefix=channel_prefix.data_ptr(),
+        recv_channel_prefix=recv_channel_prefix.data_ptr(), send_head=_ptr(send_head),
         combined_x=_ptr(combined_x), combined_weights=_ptr(combined_weights),
-        peer_bases=gb.nvl.peer_table.data_ptr(), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
-        staging_offset=staging, ring_rows=rows, record_bytes=record, num_tokens=num_tokens,
-        num_chunks=chunks, tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
-        num_topk=num_topk, rank=gb.rank, num_send_blocks=split.send_blocks, op=COMBINE_OP)
-    _launch(_kernel(gb, plan.combine_kernel(num_ranks, row_bytes)), split.blocks,
-            plan.THREADS, params)
+        peer_bases=geometry.peer_bases, err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
+        staging_offset=geometry.staging, ring_rows=geometry.rows, record_bytes=geometry.record,
+        num_tokens=num_tokens, num_chunks=chunks,
+        tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks), num_topk=num_topk,
+        rank=gb.rank, num_send_blocks=geometry.send_blocks, op=COMBINE_OP,
+        trace=_trace_buffer(device, gb.device_index, geometry.blocks) if trace else 0)
+    _launch(gb, geometry.kernel, geometry.blocks, plan.THREADS, params)
     return combined_x, combined_weights

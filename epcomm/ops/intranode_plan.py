@@ -46,6 +46,12 @@ def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+# Profiling builds (EPCOMM_INTRANODE_TRACE=1): per (block, warp) slots of intranode_common.cuh's
+# TraceSlot, u64 each; stamps are %globaltimer ns, the *_ns / claims slots are sums.
+TRACE_WARPS = 32
+TRACE_SLOTS = ["start", "idle", "sent", "first_data", "received", "wait_ns", "signal_ns", "claims",
+               "end", "published"]
+
 # ---- Params mirrors (static_assert'ed in intranode.cu and by tests/test_intranode_plan.py) ----
 _P, _I, _LL, _ULL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_ulonglong
 
@@ -55,7 +61,7 @@ class NotifyParams(ctypes.Structure):
                 ("channel_prefix", _P), ("recv_channel_prefix", _P), ("send_head", _P),
                 ("peer_bases", _P), ("err", _P), ("timeout_ns", _ULL), ("notify_offset", _LL),
                 ("num_tokens", _I), ("num_chunks", _I), ("tokens_per_chunk", _I),
-                ("num_local_experts", _I), ("rank", _I), ("op", _I)]
+                ("num_local_experts", _I), ("rank", _I), ("op", _I), ("trace", _P)]
 
 
 class DispatchParams(ctypes.Structure):
@@ -67,7 +73,7 @@ class DispatchParams(ctypes.Structure):
                 ("staging_offset", _LL), ("ring_rows", _I), ("record_bytes", _I),
                 ("num_tokens", _I), ("num_chunks", _I), ("tokens_per_chunk", _I), ("num_topk", _I),
                 ("num_local_experts", _I), ("num_out_rows", _I), ("rank", _I),
-                ("num_send_blocks", _I), ("op", _I), ("pad_", _I)]
+                ("num_send_blocks", _I), ("op", _I), ("pad_", _I), ("trace", _P)]
 
 
 class CombineParams(ctypes.Structure):
@@ -77,7 +83,7 @@ class CombineParams(ctypes.Structure):
                 ("peer_bases", _P), ("err", _P), ("timeout_ns", _ULL), ("staging_offset", _LL),
                 ("ring_rows", _I), ("record_bytes", _I), ("num_tokens", _I), ("num_chunks", _I),
                 ("tokens_per_chunk", _I), ("num_topk", _I), ("rank", _I), ("num_send_blocks", _I),
-                ("op", _I), ("pad_", _I)]
+                ("op", _I), ("pad_", _I), ("trace", _P)]
 
 
 PARAMS = {"NotifyParams": NotifyParams, "DispatchParams": DispatchParams,

@@ -1,14 +1,15 @@
 """get_dispatch_layout on the GPU: one launch of cuda_src/layout.cu (see its header for the method).
 
-Outputs are allocated on the current torch stream and the kernel runs on it. The three count
-vectors are views of one int32 allocation, so a multi-block launch needs a single memset; a
-launch of one block writes them directly and needs none.
+Outputs are allocated on the current torch stream and the kernel runs on it. The host path of a
+call is on the critical path of every MoE layer, so it is kept to: a dict lookup for the cached
+plan (kernel, launch shape), the output allocations (three or four torch.empty: the kernel zeroes
+what it accumulates into, so there is no memset and no fill kernel) and one launch. Everything a
+plan fixes (dtype, device, K, E, R, L, the load width) is checked once, when the plan is made.
 """
 from __future__ import annotations
 
 import ctypes
-import functools
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -17,10 +18,11 @@ from ..runtime.compiler import KernelSource
 from ..runtime.module import get_kernel
 
 THREADS = 512
-# Up to this many tokens one block does everything (no memset, no global atomics); above it the
-# token range is spread over up to one block per SM.
+# Up to this many tokens one block does everything (no global atomics, plain launch); above it the
+# token range is spread over up to one block per SM (a cooperative launch, see layout.cu).
 SINGLE_BLOCK_TOKENS = THREADS
 _INDEX_TYPES = {torch.int64: "long long", torch.int32: "int"}
+_I32, _BOOL = torch.int32, torch.bool
 
 
 class LayoutParams(ctypes.Structure):
@@ -54,29 +56,36 @@ def _shared_bytes(num_experts: int, num_ranks: int, num_local_ranks: int) -> int
     return 4 * (num_experts + num_ranks + num_ranks // num_local_ranks)
 
 
-def _load_bytes(topk_idx: torch.Tensor) -> int:
+def _load_bytes(row_bytes: int, address: int) -> int:
     """Widest vector load (16, 8 or 4 bytes) that divides a token's row and its alignment."""
-    row = topk_idx.shape[1] * topk_idx.element_size()
     for width in (16, 8, 4):
-        if row % width == 0 and topk_idx.data_ptr() % width == 0:
+        if row_bytes % width == 0 and address % width == 0:
             return width
-    raise ValueError("topk_idx is not 4-byte aligned")
+    raise ValueError("get_dispatch_layout: topk_idx is not 4-byte aligned")
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel(num_topk, num_experts, num_ranks, num_local_ranks, index_dtype, load_bytes,
-            device_index, feature):
-    src = layout_source(num_topk, num_experts, num_ranks, num_local_ranks, index_dtype, load_bytes)
-    kernel = get_kernel(src, 0, device_index, feature)
-    kernel.set_max_dynamic_smem(_shared_bytes(num_experts, num_ranks, num_local_ranks))
-    return kernel
+class _Plan:
+    """One specialisation: its kernel and launch constants, and the shapes of its outputs.
+    `counts` / `flags`: empty int32 / bool tensors on the device, whose new_empty allocates the
+    outputs (cheaper than torch.empty, which parses dtype and device on every call)."""
+    __slots__ = ("kernel", "smem", "counts", "flags", "num_nodes", "max_blocks")
+
+    def __init__(self, kernel, smem: int, device: torch.device, num_nodes: int, max_blocks: int):
+        self.kernel, self.smem, self.num_nodes, self.max_blocks = kernel, smem, num_nodes, max_blocks
+        self.counts = torch.empty(0, dtype=_I32, device=device)
+        self.flags = torch.empty(0, dtype=_BOOL, device=device)
 
 
-def _check(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, num_local_ranks: int):
-    if topk_idx.dim() != 2 or topk_idx.dtype not in _INDEX_TYPES or not topk_idx.is_cuda:
+# (K, E, R, L, index dtype, device index, feature or None, topk_idx address % 16) -> _Plan
+_PLANS: Dict[tuple, _Plan] = {}
+
+
+def _make_plan(key: tuple, topk_idx: torch.Tensor) -> _Plan:
+    num_topk, num_experts, num_ranks, num_local_ranks, dtype, device_index, feature, misalign = key
+    if dtype not in _INDEX_TYPES or not topk_idx.is_cuda:
         raise ValueError(f"get_dispatch_layout: topk_idx must be a 2-D int64/int32 CUDA tensor, got "
-                         f"{topk_idx.dtype} {tuple(topk_idx.shape)} on {topk_idx.device}")
-    if topk_idx.shape[1] < 1:
+                         f"{dtype} {tuple(topk_idx.shape)} on {topk_idx.device}")
+    if num_topk < 1:
         raise ValueError("get_dispatch_layout: topk_idx needs at least one column")
     if num_ranks < 1 or num_local_ranks < 1 or num_ranks % num_local_ranks:
         raise ValueError(f"get_dispatch_layout: num_ranks ({num_ranks}) must be a positive multiple "
@@ -84,14 +93,29 @@ def _check(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, num_local_r
     if num_experts < 1 or num_experts % num_ranks:
         raise ValueError(f"get_dispatch_layout: num_experts ({num_experts}) must be a positive "
                          f"multiple of num_ranks ({num_ranks})")
-    if _shared_bytes(num_experts, num_ranks, num_local_ranks) > 200 * 1024:
+    smem = _shared_bytes(num_experts, num_ranks, num_local_ranks)
+    if smem > 200 * 1024:
         raise ValueError(f"get_dispatch_layout: {num_experts} experts need more shared memory than "
                          f"a block has (4 bytes per expert, at most ~50k experts)")
+    load_bytes = _load_bytes(num_topk * topk_idx.element_size(), misalign)
+    arch = device_arch(device_index)
+    src = layout_source(num_topk, num_experts, num_ranks, num_local_ranks, dtype, load_bytes)
+    kernel = get_kernel(src, 0, device_index, feature or arch.feature)
+    kernel.set_max_dynamic_smem(smem)
+    # A cooperative grid must be co-resident: at most one block per SM, fewer if even that
+    # does not fit (Kernel.launch checks it again).
+    max_blocks = max(1, min(arch.num_sms, kernel.max_active_blocks_per_sm(THREADS, smem) * arch.num_sms))
+    plan = _PLANS[key] = _Plan(kernel, smem, torch.device("cuda", device_index),
+                               num_ranks // num_local_ranks, max_blocks)
+    return plan
 
 
-def _pad16(n: int) -> int:
-    """Count segments start 16-byte aligned so consumers may use vector loads."""
-    return (n + 3) // 4 * 4
+def _public_current_stream(device_index: int) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+# torch's raw current-stream query (an int, no Stream object) where the build has it.
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _public_current_stream
 
 
 def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
@@ -101,27 +125,36 @@ def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     (num_tokens_per_rank [R] i32, num_tokens_per_rdma_rank [R / num_local_ranks] i32 or None when
     num_ranks == num_local_ranks, num_tokens_per_expert [E] i32, is_token_in_rank [N, R] bool).
     A token counts once per rank and once per node; per expert, once per top-k slot.
-    `feature` (80/90) overrides the device's feature set for this call (tests)."""
-    _check(topk_idx, num_experts, num_ranks, num_local_ranks)
-    topk_idx = topk_idx.contiguous()
+    `feature` (80/90) overrides the device's feature set for this call (tests); None reads
+    EPCOMM_ARCH / the device's at each call."""
+    if topk_idx.dim() != 2:
+        raise ValueError(f"get_dispatch_layout: topk_idx must be a 2-D int64/int32 CUDA tensor, got "
+                         f"{topk_idx.dtype} {tuple(topk_idx.shape)} on {topk_idx.device}")
+    if not topk_idx.is_contiguous():
+        topk_idx = topk_idx.contiguous()
     num_tokens, num_topk = topk_idx.shape
-    num_nodes = num_ranks // num_local_ranks
-    device = topk_idx.device
-    blocks = 1 if num_tokens <= SINGLE_BLOCK_TOKENS else \
-        min(-(-num_tokens // THREADS), device_arch(device.index).num_sms)
-    sizes = (_pad16(num_ranks), _pad16(num_nodes), _pad16(num_experts))
-    alloc = torch.empty if blocks == 1 and num_tokens > 0 else torch.zeros
-    counts = alloc(sum(sizes), dtype=torch.int32, device=device)
-    per_rank = counts[:num_ranks]
-    per_node = counts[sizes[0]:sizes[0] + num_nodes]
-    per_expert = counts[sizes[0] + sizes[1]:sizes[0] + sizes[1] + num_experts]
-    in_rank = torch.empty((num_tokens, num_ranks), dtype=torch.bool, device=device)
-    if num_tokens > 0:
-        kernel = _kernel(num_topk, num_experts, num_ranks, num_local_ranks, topk_idx.dtype,
-                         _load_bytes(topk_idx), device.index, feature or device_arch(device.index).feature)
-        params = LayoutParams(topk_idx.data_ptr(), per_rank.data_ptr(), per_node.data_ptr(),
-                              per_expert.data_ptr(), in_rank.data_ptr(), num_tokens)
-        kernel.launch((blocks, 1, 1), (THREADS, 1, 1), params,
-                      torch.cuda.current_stream(device).cuda_stream,
-                      smem=_shared_bytes(num_experts, num_ranks, num_local_ranks))
-    return per_rank, (per_node if num_nodes > 1 else None), per_expert, in_rank
+    device_index = topk_idx.get_device()
+    address = topk_idx.data_ptr()
+    if feature is None:
+        feature = device_arch(device_index).feature if device_index >= 0 else None
+    key = (num_topk, num_experts, num_ranks, num_local_ranks, topk_idx.dtype, device_index, feature,
+           address & 15)
+    plan = _PLANS.get(key) or _make_plan(key, topk_idx)
+
+    counts, num_nodes = plan.counts, plan.num_nodes
+    if num_tokens == 0:
+        per_node = counts.new_zeros(num_nodes) if num_nodes > 1 else None
+        return counts.new_zeros(num_ranks), per_node, counts.new_zeros(num_experts), plan.flags.new_empty(0, num_ranks)
+    per_rank = counts.new_empty(num_ranks)
+    per_node = counts.new_empty(num_nodes) if num_nodes > 1 else None
+    per_expert = counts.new_empty(num_experts)
+    in_rank = plan.flags.new_empty(num_tokens, num_ranks)
+    params = LayoutParams(address, per_rank.data_ptr(), 0 if per_node is None else per_node.data_ptr(),
+                          per_expert.data_ptr(), in_rank.data_ptr(), num_tokens)
+    if num_tokens <= SINGLE_BLOCK_TOKENS:
+        plan.kernel.launch((1, 1, 1), (THREADS, 1, 1), params, _current_stream(device_index), plan.smem)
+    else:
+        blocks = min(-(-num_tokens // THREADS), plan.max_blocks)
+        plan.kernel.launch((blocks, 1, 1), (THREADS, 1, 1), params, _current_stream(device_index),
+                           plan.smem, cooperative=blocks > 1)
+    return per_rank, per_node, per_expert, in_rank

@@ -2,13 +2,17 @@
 protocol is described), launched once per call, or twice with return_recv_hook (send part now,
 receive part in the hook). Buffer layout: epcomm/ops/low_latency_layout.py.
 
-The host path per call: one dict lookup for the kernel and its cached Params (one per buffer set),
-output allocations, a few field writes, one launch. No host synchronisation, no device-side
-bookkeeping launched from here: every call can be captured in a CUDA graph and replayed.
+The host path per call, kept to the minimum: one dict lookup for the kernel and its cached Params
+(one per buffer set, every call-independent field filled once), the outputs (the previous call's
+on this set when nothing refers to them any more, see _Outputs; otherwise one torch allocation each:
+5 for FP8 dispatch with the scales created column-major by empty_strided, 1 for combine, none with
+`out=`), the per-call pointer fields, one launch (two with the hook). No host synchronisation, no
+device-side bookkeeping launched from here: every call can be captured in a CUDA graph and replayed.
 """
 from __future__ import annotations
 
 import ctypes
+import sys
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -79,17 +83,54 @@ def representative_sources() -> List[KernelSource]:
     return [KernelSource("low_latency.cu", kernels, uses_nvshmem=True)]
 
 
+_use_count = getattr(torch._C, "_storage_Use_Count", None)   # a StorageImpl's reference count
+
+
+class _Outputs:
+    """The outputs of a plan's last call on one buffer set, handed out again by its next call on
+    that set once nothing outside refers to them: each torch allocation costs several microseconds
+    of host time, a large share of a low-latency call. As safe as the caching allocator's own
+    reuse: the tensors go back only to the stream they were made on (stream order puts the new
+    kernel after every use queued there), and only when neither a tensor object (Python reference
+    count) nor any view of its storage (storage use count) is left outside this pool. Never used
+    during CUDA-graph capture (capture allocates from the graph's pool) nor for hook calls (the
+    receive may run on another stream). The memory stays held while pooled, as a cached block."""
+
+    __slots__ = ("stream", "tensors")
+
+    def __init__(self):
+        self.stream, self.tensors = None, None
+
+    def take(self, stream: int) -> Optional[tuple]:
+        tensors = self.tensors
+        if tensors is None or stream != self.stream or _use_count is None:
+            return None
+        for t in tensors:
+            # references: the pool's tuple, `t` and getrefcount's argument; storage: the tensor and
+            # the probe's UntypedStorage
+            if t is not None and (sys.getrefcount(t) != 3 or _use_count(t.untyped_storage()._cdata) != 2):
+                return None
+        return tensors
+
+    def keep(self, stream: int, tensors: tuple) -> None:
+        self.stream, self.tensors = stream, tensors
+
+
 class _Plan:
-    """A loaded kernel, its launch shape, one Params per buffer set (set-fixed fields filled) and
-    what the per-call path needs, computed once."""
+    """A loaded kernel, its launch shape, one Params and one output pool per buffer set (set-fixed
+    fields filled) and what the per-call path needs, computed once."""
 
     def __init__(self, kernel, smem: int, params, signal_shape, **shapes):
         self.kernel, self.smem, self.params, self.signal_shape = kernel, smem, params, signal_shape
+        self.outputs = (_Outputs(), _Outputs())
         self.__dict__.update(shapes)
 
 
 # torch's raw current-stream query (an int) where the build has it; the public one otherwise.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+_capturing = torch.cuda.is_current_stream_capturing
 
 
 def _stream(device_index: int) -> int:
@@ -121,6 +162,7 @@ class LowLatency:
         self._plans: Dict[tuple, _Plan] = {}
         self._combine_views: Dict[tuple, torch.Tensor] = {}
         self._grid, self._block = (gb.arch.num_sms, 1, 1), (THREADS, 1, 1)
+        self._device_index = gb.device_index
         any_layout = Layout(1, 8, self.num_ranks, self.num_ranks)   # the control region ignores (T, H, E)
         self._mask = gb.rdma.view(torch.int32, (self.num_ranks,), any_layout.mask)
 
@@ -150,19 +192,18 @@ class LowLatency:
         p.heap, p.peer_bases = base, gb.rdma.peer_table.data_ptr()
         p.acks, p.epochs, p.tickets = base + layout.acks(s), base + layout.epochs(s), base + layout.tickets(s)
         p.mask, p.err, p.rank, p.op = base + layout.mask, gb.status.device_ptr, self.rank, op
-        p.use_nvlink, p.enable_shrink = self.use_nvlink, self.enable_shrink
+        p.use_nvlink, p.enable_shrink, p.timeout_ns = self.use_nvlink, self.enable_shrink, gb.timeout_ns
 
-    def _params_for_call(self, plan: _Plan):
-        """This call's buffer set and its Params (set-fixed fields already there)."""
+    def _set_for_call(self, plan: _Plan) -> int:
+        """This call's buffer set (its Params has the set-fixed fields already)."""
         if plan.signal_shape != self.signal_shape:
             self._check_signals(plan.signal_shape, plan.hidden)
         s, self.next_set = self.next_set, self.next_set ^ 1
-        p = plan.params[s]
-        p.timeout_ns = self.gb.timeout_ns
-        return p
+        return s
 
-    def _launch(self, plan: _Plan, p) -> None:
-        plan.kernel.launch(self._grid, self._block, p, _stream(self.gb.device_index), smem=plan.smem)
+    def _launch(self, plan: _Plan, p, stream: Optional[int] = None) -> None:
+        plan.kernel.launch(self._grid, self._block, p, _stream(self._device_index) if stream is None else stream,
+                           smem=plan.smem)
 
     def _hooked(self, plan: _Plan, p, keep_alive: tuple):
         """Launch the send part now; return the hook that launches the receive part (on the stream
@@ -184,7 +225,7 @@ class LowLatency:
 
     # ---- dispatch ----------------------------------------------------------------------------
     def _dispatch_plan(self, key: tuple) -> _Plan:
-        T, H, E, K, fp8, round_scale, ue8m0, index_dtype = key
+        _, T, H, E, K, fp8, round_scale, ue8m0, index_dtype = key
         layout, R = self._layout(T, H, E), self.num_ranks
         kernel = self._kernel(dispatch_source(H, K, R, E, T, fp8, round_scale, ue8m0, index_dtype))
         smem = dispatch_smem_bytes(H, K, fp8)
@@ -192,12 +233,13 @@ class LowLatency:
         params = tuple(self._dispatch_params(layout, s) for s in (0, 1))
         E_l, slots = E // R, R * T
         scales = None
-        if fp8:   # column-major in the last two dims, as DeepEP: [E_l, S, R*T], returned transposed
-            scales = ((E_l, H // 512, slots), torch.int32) if ue8m0 else ((E_l, H // 128, slots), torch.float32)
+        if fp8:   # [E_l, R*T, S] stored column-major in the last two dims (as [E_l, S, R*T]), as DeepEP
+            S = H // 512 if ue8m0 else H // 128
+            scales = ((E_l, slots, S), (S * slots, 1, slots), torch.int32 if ue8m0 else torch.float32)
         plan = _Plan(kernel, smem, params, (T, E), hidden=H, x_shape=(E_l, slots, H),
                      x_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, scales=scales,
                      src_info_shape=(E_l, slots), layout_shape=(E_l, R), count_shape=(E_l,))
-        self._plans[("dispatch",) + key] = plan
+        self._plans[key] = plan
         return plan
 
     def _dispatch_params(self, layout: Layout, s: int) -> DispatchParams:
@@ -213,17 +255,26 @@ class LowLatency:
                  use_ue8m0, return_recv_hook) -> LowLatencyDispatchResult:
         T, E = num_max_dispatch_tokens_per_rank, num_experts
         N, H = x.shape
-        key = (T, H, E, topk_idx.shape[1], use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0, topk_idx.dtype)
-        plan = self._plans.get(("dispatch",) + key) or self._dispatch_plan(key)
-        p = self._params_for_call(plan)
-        device = x.device
-        recv_x = torch.empty(plan.x_shape, dtype=plan.x_dtype, device=device)
-        scales = None
-        if plan.scales is not None:
-            scales = torch.empty(plan.scales[0], dtype=plan.scales[1], device=device).transpose(1, 2)
-        src_info = torch.empty(plan.src_info_shape, dtype=torch.int32, device=device)
-        layout_range = torch.empty(plan.layout_shape, dtype=torch.int64, device=device)
-        recv_count = torch.empty(plan.count_shape, dtype=torch.int32, device=device)
+        key = ("dispatch", T, H, E, topk_idx.shape[1], use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0,
+               topk_idx.dtype)
+        plan = self._plans.get(key) or self._dispatch_plan(key)
+        s = self._set_for_call(plan)
+        p, stream = plan.params[s], _stream(self._device_index)
+        pool = None if return_recv_hook or _capturing() else plan.outputs[s]
+        outputs = pool.take(stream) if pool is not None else None
+        if outputs is None:
+            device = x.device
+            scales = None
+            if plan.scales is not None:
+                scales = torch.empty_strided(plan.scales[0], plan.scales[1], dtype=plan.scales[2], device=device)
+            outputs = (torch.empty(plan.x_shape, dtype=plan.x_dtype, device=device), scales,
+                       torch.empty(plan.src_info_shape, dtype=torch.int32, device=device),
+                       torch.empty(plan.layout_shape, dtype=torch.int64, device=device),
+                       torch.empty(plan.count_shape, dtype=torch.int32, device=device))
+            if pool is not None:
+                pool.keep(stream, outputs)
+        recv_x, scales, src_info, layout_range, recv_count = outputs
+        del outputs
         p.x, p.topk_idx, p.num_tokens = x.data_ptr(), topk_idx.data_ptr(), N
         p.recv_x, p.recv_scales = recv_x.data_ptr(), None if scales is None else scales.data_ptr()
         p.recv_src_info, p.recv_layout_range, p.recv_count = src_info.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr()
@@ -235,16 +286,16 @@ class LowLatency:
                                           cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats))
         else:
             p.phases = SEND | RECV
-            self._launch(plan, p)
+            self._launch(plan, p, stream)
         return LowLatencyDispatchResult(recv_x, scales, recv_count, (src_info, layout_range, T, H, E), hook)
 
     # ---- combine -----------------------------------------------------------------------------
     def _combine_plan(self, key: tuple) -> _Plan:
-        T, H, E, K, index_dtype = key
+        _, T, H, E, K, index_dtype = key
         layout = self._layout(T, H, E)
         kernel = self._kernel(combine_source(H, K, self.num_ranks, E, T, index_dtype))
         params = tuple(self._combine_params(layout, s) for s in (0, 1))
-        plan = self._plans[("combine",) + key] = _Plan(kernel, 0, params, (T, E), hidden=H)
+        plan = self._plans[key] = _Plan(kernel, 0, params, (T, E), hidden=H)
         return plan
 
     def _combine_params(self, layout: Layout, s: int) -> CombineParams:
@@ -260,11 +311,20 @@ class LowLatency:
                                       "payload is not implemented; use BF16 (use_logfmt=False)")
         src_info, layout_range, T, H, E = handle
         N, K = topk_idx.shape
-        key = (T, H, E, K, topk_idx.dtype)
-        plan = self._plans.get(("combine",) + key) or self._combine_plan(key)
-        p = self._params_for_call(plan)
+        key = ("combine", T, H, E, K, topk_idx.dtype)
+        plan = self._plans.get(key) or self._combine_plan(key)
+        s = self._set_for_call(plan)
+        p, stream = plan.params[s], _stream(self._device_index)
         if out is None:
-            out = torch.empty((N, H), dtype=torch.bfloat16, device=topk_idx.device)
+            pool = None if return_recv_hook or _capturing() else plan.outputs[s]
+            pooled = pool.take(stream) if pool is not None else None
+            if pooled is not None and pooled[0].shape[0] == N:
+                out = pooled[0]
+            else:
+                out = torch.empty((N, H), dtype=torch.bfloat16, device=topk_idx.device)
+                if pool is not None:
+                    pool.keep(stream, (out,))
+            del pooled
         # zero_copy: the data is in this set's send buffer (get_next_low_latency_combine_buffer).
         p.x = p.row_stage if zero_copy else x.data_ptr()
         p.src_info, p.layout_range = src_info.data_ptr(), layout_range.data_ptr()
@@ -273,7 +333,7 @@ class LowLatency:
         if return_recv_hook:
             return out, self._hooked(plan, p, (out, topk_idx, topk_weights, combine_wait_recv_cost_stats))
         p.phases = SEND | RECV
-        self._launch(plan, p)
+        self._launch(plan, p, stream)
         return out, None
 
     def next_combine_buffer(self, handle) -> torch.Tensor:

@@ -8,12 +8,13 @@ control   (depends on R only; offset 0)
           per set: acks [R] u64 (written by the peers), epochs [2] u64 (calls sent / received on the
           set), tickets [2] u32 (blocks done with the current launch's send / receive part);
           then mask [R] i32 (enable_shrink).
-signals   per set, depends on (T, E): token_tags [E_l][R][T] u64 (dispatch messages), list_tags
+signals   per set, depends on (T, E): token_tags u64 (dispatch messages, [R][T] used: a token goes
+          once to each rank; the region keeps the [E][T] size of row_tags), list_tags
           [E_l][R] u64, row_tags [E][T] u64 (combine rows), lists [E_l][R][16 + 4T] (count + token
           indices of each (local expert, source)).
 data      per set, depends on (T, H, E): send = the zero-copy combine buffer [E_l][R*T][H] bf16,
           which also holds the put stages of dispatch (messages [T][msg] then lists [E][16 + 4T]);
-          recv = dispatch messages [E_l][R][T][msg] or combine rows [E][T][H] bf16 (a set carries one
+          recv = dispatch messages [R][T][msg] or combine rows [E][T][H] bf16 (a set carries one
           call at a time; the acks make sure its previous call was consumed before it is rewritten).
 
 Only control and signals must start zeroed (the kernels count calls in them); data is always

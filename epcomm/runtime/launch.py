@@ -1,14 +1,21 @@
 """Kernel launches through the CUDA driver (ctypes on libcuda.so.1; loaded on first use).
 
 `Kernel.launch(grid, block, params, stream, smem=0, cooperative=False, cluster=None)` passes ONE
-ctypes.Structure by value (the kernel's single Params argument). The common path is one
-cuLaunchKernel call with a prebuilt argument array; cooperative and cluster launches go through
-cuLaunchKernelEx. The first launch with a given Params class checks its size against the kernel's
-parameter in the cubin (cuFuncGetParamInfo), so a drifted ctypes mirror fails loudly, not silently.
+ctypes.Structure by value (the kernel's single Params argument). It is on every call's critical
+path, so a plain launch is one ctypes call (cuLaunchKernel) with a per-thread, prebuilt
+kernelParams array; cooperative launches are one cuLaunchCooperativeKernel call (same argument
+list); cluster launches go through cuLaunchKernelEx.
+
+The first launch with a given Params class checks it against the kernel: its size against the
+kernel's parameter in the cubin (cuFuncGetParamInfo), and its name against the parameter type in
+the kernel's mangled name (ctypes mirrors carry the C++ struct's name, e.g. LayoutParams for
+epcomm::LayoutParams), so a drifted mirror, or another kernel's Params of the same size, fails
+loudly instead of launching with garbage.
 """
 from __future__ import annotations
 
 import ctypes
+import re
 import threading
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
 from typing import NamedTuple, Optional, Tuple
@@ -59,21 +66,23 @@ _SIGNATURES = {
     "cuLaunchKernel": [c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_void_p,
                        c_void_p, c_void_p],
     "cuLaunchKernelEx": [POINTER(LaunchConfigStruct), c_void_p, c_void_p, c_void_p],
+    "cuLaunchCooperativeKernel": [c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint,
+                                  c_void_p, c_void_p],
 }
 LIBCUDA = "libcuda.so.1"   # tests point this at a fake driver
 _driver = None
 _driver_lock = threading.Lock()
 # kernelParams arrays, one per thread: the driver reads the array during the (GIL-releasing) launch
-# call, so threads must not share one; per thread it can be reused launch after launch.
+# call, so threads must not share one; per thread it is reused launch after launch (the driver
+# copies the Params bytes at launch, so neither the array nor the struct must outlive the call).
 _thread_args = threading.local()
+_addressof = ctypes.addressof
+_c_void_p = c_void_p
 
 
-def _args_array():
-    try:
-        return _thread_args.array
-    except AttributeError:
-        _thread_args.array = (c_void_p * 1)()
-        return _thread_args.array
+def _new_args_array():
+    _thread_args.array = array = (c_void_p * 1)()
+    return array
 
 
 def driver() -> ctypes.CDLL:
@@ -95,6 +104,15 @@ def driver() -> ctypes.CDLL:
     return _driver
 
 
+def _untyped(lib: ctypes.CDLL, name: str):
+    """A second function object for `name` with no argtypes (None if the driver lacks it)."""
+    if getattr(lib, name, None) is None:
+        return None
+    fn = lib._FuncPtr((name, lib))
+    fn.restype = c_int
+    return fn
+
+
 def error_name(rc: int) -> str:
     name = c_char_p()
     if _driver is None or _driver.cuGetErrorName(rc, byref(name)) != 0 or not name.value:
@@ -105,6 +123,22 @@ def error_name(rc: int) -> str:
 def check(rc: int, what: str) -> None:
     if rc != 0:
         raise EpcommError(f"{what} failed: {error_name(rc)}")
+
+
+_SOURCE_NAME = re.compile(r"(?<![0-9])[1-9][0-9]*")
+
+
+def param_type_names(lowered_name: str) -> set:
+    """Names ending in "Params" that an Itanium-mangled kernel name spells out (as <length><name>):
+    the kernel's parameter struct, e.g. {"LayoutParams"} for
+    _ZN6epcomm13layout_kernelILi8E...EEvNS_12LayoutParamsE. Empty when there is none."""
+    names = set()
+    for m in _SOURCE_NAME.finditer(lowered_name):
+        end = m.end() + int(m.group())
+        name = lowered_name[m.end():end]
+        if end <= len(lowered_name) and name.endswith("Params") and name.isidentifier():
+            names.add(name)
+    return names
 
 
 class LaunchConfig(NamedTuple):
@@ -126,38 +160,59 @@ class Kernel:
         self._checked_params_type = None
         self._max_dynamic_smem = 0
         self._occupancy = {}                 # (threads, smem) -> max active blocks per SM
-        self._launch = driver().cuLaunchKernel
+        self._coresident = {}                # (threads, smem) -> most blocks a cooperative grid may have
+        lib = driver()
+        # The launch entry points without argtypes: ctypes' default conversions (ints as C int,
+        # pointers pre-wrapped in c_void_p) cost half of the argtypes path, and every value passed
+        # fits: grid and block dims < 2**31, smem < 2**31.
+        self._launch = _untyped(lib, "cuLaunchKernel")
+        self._launch_cooperative = _untyped(lib, "cuLaunchCooperativeKernel")
+        self._handle = c_void_p(function)
 
     # ---- launch ------------------------------------------------------------------------------
     def launch(self, grid, block, params: ctypes.Structure, stream: int, smem: int = 0,
                cooperative: bool = False, cluster=None) -> None:
-        """grid, block: 3-tuples; stream: CUstream handle (torch's `.cuda_stream`); smem: dynamic
-        shared-memory bytes (call set_max_dynamic_smem first above 48 KiB)."""
+        """grid, block: 3-tuples; stream: CUstream handle (an int: torch's `.cuda_stream`, or
+        torch._C._cuda_getCurrentRawStream(device)); smem: dynamic shared-memory bytes (call
+        set_max_dynamic_smem first above 48 KiB); cooperative: all blocks co-resident (grid sync)."""
         if type(params) is not self._checked_params_type:
             self._check_params(params)
-        args = _args_array()                   # kernelParams: the address of the one Params struct
-        args[0] = ctypes.addressof(params)
+        try:
+            args = _thread_args.array
+        except AttributeError:
+            args = _new_args_array()
+        args[0] = _addressof(params)           # kernelParams: the address of the one Params struct
         if cooperative or cluster is not None:
-            return self._launch_ex(grid, block, stream, smem, cooperative, cluster, args)
-        rc = self._launch(self.function, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                          smem, stream, args, None)
-        if rc in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
-            # The calling thread has another (or no) context current: launch in ours.
-            with pushed_context(self.context):
-                rc = self._launch(self.function, grid[0], grid[1], grid[2], block[0], block[1],
-                                  block[2], smem, stream, args, None)
-        if rc != 0:
-            self._launch_failed(rc, LaunchConfig(tuple(grid), tuple(block), smem, stream, False, None))
+            return self._launch_special(grid, block, stream, smem, cooperative, cluster, args)
+        rc = self._launch(self._handle, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
+                          _c_void_p(stream), args, None)
+        if rc:
+            self._retry_in_context(self._launch, (self._handle, grid[0], grid[1], grid[2], block[0],
+                                                  block[1], block[2], smem, c_void_p(stream), args, None),
+                                   rc, LaunchConfig(tuple(grid), tuple(block), smem, stream, False, None))
 
-    def _launch_ex(self, grid, block, stream, smem, cooperative, cluster, args) -> None:
+    def _retry_in_context(self, fn, fn_args, rc: int, config: "LaunchConfig") -> None:
+        """After a failed launch call: a wrong (or no) current context on this thread is retried in
+        ours; any other error raises, naming the kernel and the launch."""
+        if rc in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
+            with pushed_context(self.context):
+                rc = fn(*fn_args)
+        if rc:
+            self._launch_failed(rc, config)
+
+    def _launch_special(self, grid, block, stream, smem, cooperative, cluster, args) -> None:
         config = LaunchConfig(tuple(grid), tuple(block), smem, stream, bool(cooperative),
                               tuple(cluster) if cluster is not None else None)
         if cooperative:
-            threads = block[0] * block[1] * block[2]
-            limit = self.max_active_blocks_per_sm(threads, smem) * self.num_sms
-            if grid[0] * grid[1] * grid[2] > limit:
-                raise EpcommError(f"cooperative launch of {self.name}: grid {config.grid} has more "
-                                  f"blocks than can be co-resident ({limit}); {config}")
+            self._check_coresident(grid, block, smem, config)
+            if cluster is None and self._launch_cooperative is not None:
+                fn = self._launch_cooperative
+                fn_args = (self._handle, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
+                           c_void_p(stream), args)
+                rc = fn(*fn_args)
+                if rc:
+                    self._retry_in_context(fn, fn_args, rc, config)
+                return
         attrs = (LaunchAttribute * 2)()
         n = 0
         if cooperative:
@@ -170,11 +225,17 @@ class Kernel:
         cfg = LaunchConfigStruct(*grid, *block, smem, stream, attrs, n)
         fn = driver().cuLaunchKernelEx
         rc = fn(byref(cfg), self.function, args, None)
-        if rc in (_CUDA_ERROR_INVALID_CONTEXT, _CUDA_ERROR_INVALID_HANDLE):
-            with pushed_context(self.context):
-                rc = fn(byref(cfg), self.function, args, None)
-        if rc != 0:
-            self._launch_failed(rc, config)
+        if rc:
+            self._retry_in_context(fn, (byref(cfg), self.function, args, None), rc, config)
+
+    def _check_coresident(self, grid, block, smem, config) -> None:
+        threads = block[0] * block[1] * block[2]
+        limit = self._coresident.get((threads, smem))
+        if limit is None:
+            limit = self._coresident[(threads, smem)] = self.max_active_blocks_per_sm(threads, smem) * self.num_sms
+        if grid[0] * grid[1] * grid[2] > limit:
+            raise EpcommError(f"cooperative launch of {self.name}: grid {config.grid} has more "
+                              f"blocks than can be co-resident ({limit}); {config}")
 
     def _launch_failed(self, rc: int, config: LaunchConfig):
         raise EpcommError(f"launch of {self.name} failed: {error_name(rc)}; {config}; "
@@ -182,9 +243,15 @@ class Kernel:
                           f"max dynamic smem={self._max_dynamic_smem}")
 
     def _check_params(self, params) -> None:
+        """Once per Params class: is it this kernel's Params (by name and size)?"""
         if not isinstance(params, ctypes.Structure):
             raise TypeError(f"{self.name}: params must be a ctypes.Structure (the kernel's Params), "
                             f"got {type(params).__name__}")
+        expected = param_type_names(self.lowered_name)
+        mine = {cls.__name__ for cls in type(params).__mro__}
+        if expected and not expected & mine:
+            raise TypeError(f"{self.name} takes a {' / '.join(sorted(expected))} argument, got a "
+                            f"{type(params).__name__} (the Params of another kernel?)")
         lib = driver()
         if getattr(lib, "cuFuncGetParamInfo", None) is not None:
             offset, size = c_size_t(), c_size_t()

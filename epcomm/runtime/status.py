@@ -145,6 +145,8 @@ class StatusRecord:
         self.host_ptr, self.device_ptr, self._release = _alloc_mapped(ctypes.sizeof(ErrorRecord),
                                                                       device)
         self._record: Optional[ErrorRecord] = ErrorRecord.from_address(self.host_ptr)
+        # check() runs at the start of every call: it reads `code` through this c_int alone.
+        self._code: Optional[ctypes.c_int] = ctypes.c_int.from_address(self.host_ptr + ErrorRecord.code.offset)
         self.error: Optional[EpcommError] = None
         self.reset()
 
@@ -156,7 +158,13 @@ class StatusRecord:
         self.error = None
 
     def check(self) -> None:
-        """Raise if a kernel recorded a failure. Reads host memory; does not wait for the GPU."""
+        """Raise if a kernel recorded a failure. One read of host memory; never waits for the GPU."""
+        code = self._code
+        if code is not None and code.value == CODE_OK and self.error is None:
+            return
+        self._check_failed()
+
+    def _check_failed(self) -> None:
         if self.error is not None:
             raise BufferUnusable(f"unusable after an earlier failure: {self.error}") from self.error
         record = self._live_record("check")
@@ -179,5 +187,5 @@ class StatusRecord:
         """Release the pinned memory. Idempotent; kernels must no longer write the record."""
         if self._record is None:
             return
-        self._record = None
+        self._record = self._code = None
         self._release()
