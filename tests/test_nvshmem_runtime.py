@@ -177,6 +177,15 @@ def test_unknown_code_is_reported_not_ignored():
     assert "unknown code 9" in str(err) and not isinstance(err, PeerTimeout)
 
 
+def test_device_check_code_names_op_rank_peer_and_phase():
+    from epcomm.errors import DeviceCheckFailed
+    op = status.register_op("test_device_check_op", ["ring too small"])
+    record = status.ErrorRecord(code=status.CODE_DEVICE_CHECK_FAILED, op=op, rank=1, peer=0, phase=0)
+    err = status.error_from_record(record, 1.0)
+    assert isinstance(err, DeviceCheckFailed) and not isinstance(err, PeerTimeout)
+    assert (err.op, err.rank, err.peer, err.phase) == ("test_device_check_op", 1, 0, "ring too small")
+
+
 # ---- host layout --------------------------------------------------------------------------------
 def test_local_rank_count():
     assert local_rank_count(["a"] * 4) == 4

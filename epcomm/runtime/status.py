@@ -23,7 +23,7 @@ import time
 from typing import Callable, Dict, List, Optional
 
 from .. import env
-from ..errors import BufferUnusable, EpcommError, PeerTimeout
+from ..errors import BufferUnusable, DeviceCheckFailed, EpcommError, PeerTimeout
 
 # ---- op registry --------------------------------------------------------------------------------
 _UNKNOWN_OP = "unknown op"
@@ -69,7 +69,7 @@ class ErrorRecord(ctypes.Structure):
 
 assert ctypes.sizeof(ErrorRecord) == 32, "ErrorRecord must match timeout.cuh (32 bytes)"
 
-CODE_OK, CODE_PEER_TIMEOUT = 0, 1
+CODE_OK, CODE_PEER_TIMEOUT, CODE_DEVICE_CHECK_FAILED = 0, 1, 2   # timeout.cuh's ErrorCode
 # reset() fills the detail fields with this; no real op/rank/peer/phase takes it. The kernel sets
 # `code` (the atomic that elects the first failure) before the details, so check() waits until the
 # details are written, instead of reporting a half-written record.
@@ -81,6 +81,9 @@ def error_from_record(record: ErrorRecord, timeout_s: float) -> Optional[EpcommE
     """The exception a record describes, or None when it says all is well."""
     if record.code == CODE_OK:
         return None
+    if record.code == CODE_DEVICE_CHECK_FAILED:
+        return DeviceCheckFailed(op_name(record.op), record.rank, record.peer,
+                                 phase_name(record.op, record.phase))
     if record.code != CODE_PEER_TIMEOUT:
         return EpcommError(f"GPU error record holds unknown code {record.code} "
                            f"(op {op_name(record.op)}, rank {record.rank}, peer {record.peer})")
