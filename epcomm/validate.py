@@ -25,6 +25,12 @@ from .config import Config
 from .event import EventOverlap
 
 TOPK_IDX_DTYPE = torch.int64      # epcomm.topk_idx_t
+
+
+def _normal_index_dtype(topk_idx) -> torch.dtype:
+    """Normal mode (layout, dispatch) takes int32 top-k ids as well as topk_idx_t (issue 3); the
+    kernels are specialised on the index type and recv_topk_idx keeps it."""
+    return torch.int32 if getattr(topk_idx, "dtype", None) is torch.int32 else TOPK_IDX_DTYPE
 MAX_TOPK = 32                     # normal-mode top-k bound
 FP8_BLOCK = 128                   # channels per FP8 scale
 UE8M0_PER_INT = 4                 # packed UE8M0 exponents per int32
@@ -211,7 +217,8 @@ def layout_args(c: Call, topk_idx, num_experts) -> Tuple[torch.Tensor, int]:
             c.framework = "torch"
         return topk_idx, num_experts
     num_experts = c.num_experts("num_experts", num_experts)
-    topk_idx = c.tensor("topk_idx", topk_idx, TOPK_IDX_DTYPE, (None, None), "[num_tokens, num_topk]")
+    topk_idx = c.tensor("topk_idx", topk_idx, _normal_index_dtype(topk_idx), (None, None),
+                        "[num_tokens, num_topk]")
     c.topk("topk_idx", topk_idx)
     c.values_in("topk_idx", topk_idx, -1, num_experts)
     return topk_idx, num_experts
@@ -314,7 +321,8 @@ def dispatch_args(c: Call, internode: bool, num_local_ranks: int, x, handle, num
                                   f"{'None' if topk_idx is None else 'set'} and topk_weights "
                                   f"{'None' if topk_weights is None else 'set'}")
     if topk_idx is not None:
-        topk_idx = c.tensor("topk_idx", topk_idx, TOPK_IDX_DTYPE, (n, None), "[num_tokens, num_topk]")
+        topk_idx = c.tensor("topk_idx", topk_idx, _normal_index_dtype(topk_idx), (n, None),
+                            "[num_tokens, num_topk]")
         k = c.topk("topk_idx", topk_idx)
         topk_weights = c.tensor("topk_weights", topk_weights, F32, (n, k), "[num_tokens, num_topk]")
         c.values_in("topk_idx", topk_idx, -1, num_experts)

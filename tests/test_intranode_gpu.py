@@ -169,16 +169,6 @@ def run_dispatch(buffer, inp: Inputs, device, fp8: bool, use_topk=True, config=N
                            config=config, **kw)
 
 
-def backend_dispatch(buffer, inp: Inputs, device, fp8: bool, config, alignment: int):
-    """Buffer.dispatch minus validation and streams: the GPU backend on the current stream."""
-    per_rank, _, per_expert, in_rank = (dev(t, device) for t in inp.layout)
-    r = buffer._backend.dispatch(dev(inp.x_fp8 if fp8 else inp.x, device), dev(inp.scales, device) if fp8 else None,
-                                 None, per_rank, None, in_rank, per_expert, dev(inp.topk_idx, device),
-                                 dev(inp.topk_weights, device), alignment, 0, config)
-    recv_x = (r.recv_x, r.recv_x_scales) if fp8 else r.recv_x
-    return recv_x, r.recv_topk_idx, r.recv_topk_weights, r.num_recv_tokens_per_expert_list, r.handle, None
-
-
 def combine_inputs(inputs, rank_count, num_experts):
     """Combine inputs of every rank: its oracle recv rows scaled by (rank + 1) (BF16), so each
     source's contribution is distinct; and the matching received top-k weights."""
@@ -212,16 +202,8 @@ def test_dispatch_and_combine_match_oracle(dist_env, buffer, seed, ns, hidden, t
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
     inputs = all_inputs(dist_env, n_by_rank(ns, world), seed=seed, hidden=hidden, num_experts=experts,
                         num_topk=topk, fp8=fp8, index_dtype=index_dtype)
-    try:
-        got = run_dispatch(buffer, inputs[rank], device, fp8, config=epcomm.Config(sms),
-                           expert_alignment=alignment)
-    except TypeError as e:
-        if index_dtype == torch.int64:
-            raise
-        # Buffer's validation does not take int32 top-k ids (yet): drive the backend directly, with
-        # the arguments Buffer would pass, so the kernels' int32 path is still checked.
-        print(f"[rank {rank}] {e}; calling the backend directly", flush=True)
-        got = backend_dispatch(buffer, inputs[rank], device, fp8, epcomm.Config(sms), alignment)
+    got = run_dispatch(buffer, inputs[rank], device, fp8, config=epcomm.Config(sms),
+                       expert_alignment=alignment)
     want = expected_dispatch(inputs, rank, experts, fp8, alignment=alignment)
     check(dist_env, dispatch_errors(got, want, fp8), "fresh dispatch")
 

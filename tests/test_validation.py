@@ -124,7 +124,7 @@ def _layout_cases(rank, world, group):
     below[0, 0] = -2
     op = "Buffer.get_dispatch_layout: "
     cases = [
-        (lambda: buf.get_dispatch_layout(t.int(), E), TypeError, "topk_idx must have dtype torch.int64"),
+        (lambda: buf.get_dispatch_layout(t.short(), E), TypeError, "topk_idx must have dtype torch.int64"),
         (lambda: buf.get_dispatch_layout(t.float(), E), TypeError, "topk_idx"),
         (lambda: buf.get_dispatch_layout(t.tolist(), E), TypeError, "topk_idx must be a torch.Tensor or a DLPack"),
         (lambda: buf.get_dispatch_layout(None, E), TypeError, "topk_idx"),
@@ -155,6 +155,9 @@ def _layout_cases(rank, world, group):
     assert isinstance(as_numpy[0], np.ndarray) and as_numpy[1] is None
     assert np.array_equal(as_numpy[3], expected[3].numpy())
     assert isinstance(as_numpy[4], EventOverlap)
+    # int32 top-k ids are accepted in normal mode (issue 3) and count the same
+    as_int32 = buf.get_dispatch_layout(inp.topk_idx.int(), E)
+    assert all(torch.equal(a, b) for a, b in zip(as_int32[:4], expected[:4]) if a is not None)
 
 
 def test_get_dispatch_layout_rejects():
@@ -204,7 +207,7 @@ def _dispatch_cases(rank, world, group):
         (with_layout(num_tokens_per_expert=ntpe[None]), ValueError, "num_tokens_per_expert must have shape [num_experts]"),
         (with_layout(topk_weights=None), ValueError, "topk_idx and topk_weights must be given together"),
         (with_layout(topk_idx=None), ValueError, "must be given together"),
-        (with_layout(topk_idx=inp.topk_idx.int()), TypeError, "topk_idx must have dtype torch.int64"),
+        (with_layout(topk_idx=inp.topk_idx.short()), TypeError, "topk_idx must have dtype torch.int64"),
         (with_layout(topk_idx=inp.topk_idx[1:]), ValueError, f"topk_idx must have shape [num_tokens, num_topk] = [{n}, *]"),
         (with_layout(topk_idx=bad_idx), ValueError, "topk_idx values must lie in [-1, 4)"),
         (with_layout(topk_weights=inp.topk_weights[:, :1].contiguous()), ValueError,
@@ -238,6 +241,11 @@ def _dispatch_cases(rank, world, group):
     assert isinstance(fp8[0], tuple) and torch.equal(fp8[0][1], dense[0][1])
     cached = buf.dispatch(x, list(handle))
     assert torch.equal(cached[0], expected[0]) and cached[1:5] == (None, None, None, None)
+    # int32 top-k ids (issue 3): same rows and weights; recv_topk_idx keeps the input's dtype
+    as_int32 = buf.dispatch(x, **lay, topk_idx=inp.topk_idx.int(), topk_weights=inp.topk_weights)
+    assert torch.equal(as_int32[0], expected[0]) and as_int32[1].dtype == torch.int32
+    assert torch.equal(as_int32[1].long(), expected[1]) and torch.equal(as_int32[2], expected[2])
+    assert as_int32[3] == expected[3]
 
 
 def test_dispatch_rejects():
