@@ -16,9 +16,11 @@ from typing import Dict, Tuple
 NVLINK_DOMAIN_RANKS = 8
 BUFFER_ALIGNMENT_BYTES = 128   # Buffer sizes are multiples of this
 
-# Recommended chunk sizes per rank count: (nvl send, nvl recv, rdma send, rdma recv) in tokens.
-# A rank count absent from a table takes the entry of the next larger count listed (the largest
-# entry beyond the table), so every R >= 1 has a config. Tuned by the intranode / internode owners.
+# Chunk sizes per rank count: (nvl send, nvl recv, rdma send, rdma recv) in tokens: DeepEP V1's
+# recommended values, returned and validated so DeepEP code runs unchanged. epcomm's intranode
+# kernels do not read them: they cut work from Config.num_sms (epcomm/ops/intranode_plan.py), and
+# the bench sweeps that. A rank count absent from a table takes the entry of the next larger count
+# listed (the largest entry beyond the table), so every R >= 1 has a config.
 DISPATCH_CHUNKS: Dict[int, Tuple[int, int, int, int]] = {
     2: (24, 256, 6, 128),
     4: (6, 256, 6, 128),
