@@ -137,6 +137,7 @@ class Buffer:
         self._comm_stream = None if self._comm is None else self._comm.stream
         self._low_latency_ops = None   # epcomm.ops.low_latency, imported by the first low-latency call
         self._low_latency_fits = set()   # (T, H, E) whose layout fits num_rdma_bytes
+        self._handle_owner = object()   # marks the handles this Buffer returns (validate.Handle)
         self._normal_mode_problem = (
             "needs a Buffer with num_nvl_bytes > 0 (see Config.get_nvl_buffer_size_hint), this one has 0"
             if self.num_nvl_bytes == 0 else
@@ -179,6 +180,13 @@ class Buffer:
                       f"has {self.num_rdma_bytes}")
             self._low_latency_fits.add(shape)
         return ops
+
+    def _returned_handle(self, c: Call, handle: tuple):
+        """A backend's handle as the caller gets it: marked as this Buffer's (validate.Handle), or
+        converted to the caller's framework (then checked in full when it comes back)."""
+        if c.framework is None or c.framework == "torch":
+            return validate.owned_handle(handle, self._handle_owner)
+        return c.output(handle)
 
     def _stream_order(self, c: Call, previous_event, async_finish, allocate_on_comm_stream
                       ) -> Optional[AsyncScope]:
@@ -291,8 +299,10 @@ class Buffer:
         Arguments:
             topk_idx: [N, K] epcomm.topk_idx_t (int64), expert ids, -1 = none.
             num_experts: E, divisible by R.
-            previous_event: the comm stream waits for it instead of the current stream.
-            async_finish: return at once with an event instead of making the current stream wait.
+            previous_event: the call's kernels start after it (with async_finish: instead of after the
+                current stream's work; without: as well as after it, see epcomm/streams.py).
+            async_finish: run on the comm stream and return at once with an event; False: the call is
+                ordered in the current stream (its later work starts after the call's kernels).
             allocate_on_comm_stream: outputs belong to the comm stream (needs previous_event, async_finish).
         Returns: num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [R / ranks per node] int32 or
             None intranode, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool, event.
@@ -341,7 +351,7 @@ class Buffer:
         args = validate.dispatch_args(c, self._internode, self._backend.num_local_ranks, x, handle,
                                       num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                       num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                                      num_worst_tokens)
+                                      num_worst_tokens, self._handle_owner)
         if type(config) is not Config:
             config = c.config("config", config, None) or self.get_dispatch_config(self.group_size)
         scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
@@ -358,7 +368,7 @@ class Buffer:
         if args[2] is not None:
             return c.output(recv_x), None, None, None, None, event
         return (*c.output((recv_x, r.recv_topk_idx, r.recv_topk_weights)), r.num_recv_tokens_per_expert_list,
-                c.output(r.handle), event)
+                self._returned_handle(c, r.handle), event)
 
     def combine(self, x: Tensor, handle: Tuple, topk_weights: Optional[Tensor] = None,
                 bias: Union[None, Tensor, Tuple[Tensor, Tensor]] = None, config: Optional[Config] = None,
@@ -375,7 +385,8 @@ class Buffer:
         """
         c = self._begin("Buffer.combine")
         self._require_normal_mode(c)
-        x, handle, topk_weights, bias = validate.combine_args(c, self._internode, x, handle, topk_weights, bias)
+        x, handle, topk_weights, bias = validate.combine_args(c, self._internode, x, handle, topk_weights, bias,
+                                                              self._handle_owner)
         if type(config) is not Config:
             config = c.config("config", config, None) or self.get_combine_config(self.group_size)
         scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
@@ -439,7 +450,7 @@ class Buffer:
                 r = self._backend.low_latency_dispatch(*args, return_recv_hook)
                 event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_count, r.handle))
         recv_x = (r.recv_x, r.recv_x_scales) if args[6] else r.recv_x
-        return (*c.output((recv_x, r.recv_count, r.handle)), event, r.hook)
+        return (*c.output((recv_x, r.recv_count)), self._returned_handle(c, r.handle), event, r.hook)
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: Tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -462,7 +473,7 @@ class Buffer:
             async_finish, return_recv_hook = validate.exclusive_hook(c, async_finish, return_recv_hook)
         low_latency = self._low_latency_ops or self._low_latency(c)
         args = validate.ll_combine_args(c, low_latency.MAX_TOPK, x, topk_idx, topk_weights, handle, use_logfmt,
-                                        zero_copy, out, combine_wait_recv_cost_stats)
+                                        zero_copy, out, combine_wait_recv_cost_stats, self._handle_owner)
         shape = args[3][2:]
         if shape not in self._low_latency_fits:
             self._low_latency(c, shape)
@@ -483,7 +494,7 @@ class Buffer:
     def get_next_low_latency_combine_buffer(self, handle: Tuple) -> Tensor:
         """The [E_l, R*T, H] bfloat16 view the next low_latency_combine(zero_copy=True) sends from."""
         c = self._begin("Buffer.get_next_low_latency_combine_buffer")
-        handle = validate.ll_handle(c, handle)
+        handle = validate.ll_handle(c, handle, self._handle_owner)
         self._low_latency(c, handle[2:])
         return c.output(self._backend.get_next_low_latency_combine_buffer(handle))
 

@@ -196,6 +196,22 @@ class Call:
         return value
 
 
+# ---- handles -----------------------------------------------------------------------------------
+class Handle(tuple):
+    """A handle as a Buffer's dispatch returns it (normal or low-latency): a plain tuple to the
+    caller, marked with the Buffer's token (`owner`). Its elements were made by that Buffer's
+    backend, so when the tuple comes back to the same Buffer (combine, cached dispatch,
+    get_next_low_latency_combine_buffer) its tensors are not checked again. Changing them in place
+    (resize_, set_) is not supported; any other tuple (a copy, a slice, a list) is fully checked."""
+    owner = None
+
+
+def owned_handle(handle: tuple, owner) -> Handle:
+    marked = Handle(handle)
+    marked.owner = owner
+    return marked
+
+
 # ---- normal mode -------------------------------------------------------------------------------
 def stream_args(c: Call, previous_event, async_finish, allocate_on_comm_stream):
     previous_event = c.event("previous_event", previous_event)
@@ -247,15 +263,17 @@ def dispatch_x(c: Call, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     return data, None
 
 
-def normal_handle(c: Call, handle, internode: bool) -> tuple:
+def normal_handle(c: Call, handle, internode: bool, owner=None) -> tuple:
     """The intranode 6-tuple or internode 10-tuple of dispatch, with the elements the contract fixes
-    checked (the other elements belong to the mode's ops module)."""
+    checked (the other elements belong to the mode's ops module); a Handle of `owner` as it is."""
+    if type(handle) is Handle and owner is not None and handle.owner is owner:
+        return handle
     mode, length = ("an internode", 10) if internode else ("an intranode", 6)
     if not isinstance(handle, (tuple, list)):
         raise c.error("handle", f"must be the tuple returned by dispatch, got {type(handle).__name__}", TypeError)
     if len(handle) != length:
         raise c.error("handle", f"must be the {length}-tuple {mode} dispatch returns, got {len(handle)} elements")
-    if type(handle) is tuple and _all_torch_or_plain(handle):
+    if isinstance(handle, tuple) and _all_torch_or_plain(handle):
         items = handle
     else:
         items = tuple([c.handle_element(v) for v in handle])
@@ -279,7 +297,7 @@ def _all_torch_or_plain(items) -> bool:
 
 def dispatch_args(c: Call, internode: bool, num_local_ranks: int, x, handle, num_tokens_per_rank,
                   num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
-                  expert_alignment, num_worst_tokens) -> tuple:
+                  expert_alignment, num_worst_tokens, owner=None) -> tuple:
     """-> the arguments of Backend.dispatch before config, normalised."""
     r = c.num_ranks
     x, x_scales = dispatch_x(c, x)
@@ -290,7 +308,7 @@ def dispatch_args(c: Call, internode: bool, num_local_ranks: int, x, handle, num
         if topk_idx is not None or topk_weights is not None:
             raise c.error("topk_idx", "and topk_weights must be None when a cached handle is given (the "
                                       "handle fixes the routing)")
-        handle = normal_handle(c, handle, internode)
+        handle = normal_handle(c, handle, internode, owner)
         if not internode and handle[4].shape[0] != n:
             raise c.error("x", f"must have as many rows as the handle's is_token_in_rank "
                                f"({handle[4].shape[0]}), got {n}")
@@ -332,10 +350,11 @@ def dispatch_args(c: Call, internode: bool, num_local_ranks: int, x, handle, num
             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens)
 
 
-def combine_args(c: Call, internode: bool, x, handle, topk_weights, bias) -> tuple:
+def combine_args(c: Call, internode: bool, x, handle, topk_weights, bias, owner=None) -> tuple:
     """-> (x, handle, topk_weights, (bias_0, bias_1)), the arguments of Backend.combine before config."""
-    x = c.as_tensor("x", x)   # first, so x decides the framework of the outputs
-    handle = normal_handle(c, handle, internode)
+    if type(x) is not _Tensor:
+        x = c.as_tensor("x", x)   # first, so x decides the framework of the outputs
+    handle = normal_handle(c, handle, internode, owner)
     num_recv = None if internode else handle[3].shape[0]
     num_tokens = None if internode else handle[4].shape[0]
     x = c.tensor("x", x, BF16, (num_recv, None), "[num_recv_tokens of the handle, hidden]")
@@ -419,8 +438,11 @@ def ll_dispatch_args(c: Call, max_topk: int, x, topk_idx, num_max_dispatch_token
     return x, topk_idx, t, e, cumulative, wait_stats, use_fp8, round_scale, use_ue8m0
 
 
-def ll_handle(c: Call, handle) -> tuple:
-    """(src_info [E_l, R*T] int32, layout_range [E_l, R] int64, T, H, E) of low_latency_dispatch."""
+def ll_handle(c: Call, handle, owner=None) -> tuple:
+    """(src_info [E_l, R*T] int32, layout_range [E_l, R] int64, T, H, E) of low_latency_dispatch;
+    a Handle of `owner` as it is."""
+    if type(handle) is Handle and owner is not None and handle.owner is owner:
+        return handle
     if not isinstance(handle, (tuple, list)) or len(handle) != 5:
         got = f"{len(handle)} elements" if isinstance(handle, (tuple, list)) else type(handle).__name__
         raise c.error("handle", f"must be the 5-tuple (src_info, layout_range, num_max_dispatch_tokens_per_rank, "
@@ -437,11 +459,11 @@ def ll_handle(c: Call, handle) -> tuple:
 
 
 def ll_combine_args(c: Call, max_topk: int, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
-                    combine_wait_recv_cost_stats) -> tuple:
+                    combine_wait_recv_cost_stats, owner=None) -> tuple:
     """-> (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, wait_stats), normalised."""
     if type(x) is not _Tensor:
         x = c.as_tensor("x", x)   # first, so x decides the framework of the outputs
-    handle = ll_handle(c, handle)
+    handle = ll_handle(c, handle, owner)
     _, _, t, hidden, e = handle
     r = c.num_ranks
     x = c.tensor("x", x, BF16, (e // r, r * t, hidden),

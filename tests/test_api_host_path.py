@@ -139,7 +139,8 @@ def test_the_backend_gets_the_validated_arguments(instant):
     assert args[:2] == (x, None) and args[2] is None and args[3] is per_rank and args[5] is in_rank
     assert args[7] is topk_idx and args[8] is weights and args[9:11] == (2, 0)
     assert args[11] == Buffer.get_dispatch_config(R), "default config"
-    assert recv_x is backend.dispatched.recv_x and handle is backend.handle and counts == [3, 4, 5, 6]
+    assert recv_x is backend.dispatched.recv_x and counts == [3, 4, 5, 6]
+    assert isinstance(handle, tuple) and len(handle) == 6 and all(a is b for a, b in zip(handle, backend.handle))
 
     backend.calls.clear()
     out = meta(N, H, dtype=torch.bfloat16)
@@ -168,3 +169,41 @@ def test_synchronous_call_with_previous_event_waits_on_the_current_stream(instan
     order.clear()
     *_, event = buf.get_dispatch_layout(topk_idx, E, previous_event=EventOverlap(Handle()), async_finish=True)
     assert order == ["layout"] and event.event is None
+
+
+def test_returned_handles_come_back_unchecked_only_to_their_buffer(instant, monkeypatch):
+    """A handle from this Buffer's dispatch is passed on as it is (its tensors were made by the
+    backend); a copy, or a handle of another Buffer, is checked in full."""
+    from epcomm import validate
+    buf, backend = instant
+    x, topk_idx, weights = _inputs()
+    lay = backend.layout
+    *_, handle, _ = buf.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                                 num_tokens_per_expert=lay[2], topk_idx=topk_idx, topk_weights=weights)
+    checked = []
+    real_tensor = validate.Call.tensor
+    monkeypatch.setattr(validate.Call, "tensor", lambda c, name, *a, **k: checked.append(name) or real_tensor(c, name, *a, **k))
+    backend.calls.clear()
+    buf.combine(backend.dispatched.recv_x, handle)
+    assert backend.calls[1][2] is handle and not [n for n in checked if n.startswith("handle")]
+    buf.combine(backend.dispatched.recv_x, tuple(handle))          # a copy: checked
+    assert [n for n in checked if n.startswith("handle")] == ["handle[0] (rank_prefix_matrix)", "handle[3] (recv_src_idx)",
+                                                             "handle[4] (is_token_in_rank)"]
+    other, _ = _other_buffer(monkeypatch)
+    bad = validate.owned_handle((meta(3, 3, dtype=torch.int32),) + tuple(handle[1:]), other._handle_owner)
+    with pytest.raises(ValueError, match="handle\\[0\\] \\(rank_prefix_matrix\\) must have shape"):
+        buf.combine(backend.dispatched.recv_x, bad)
+
+    # low-latency: the same for combine and get_next_low_latency_combine_buffer
+    *_, ll_handle, _, _ = buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+    checked.clear()
+    buf.low_latency_combine(backend.ll_dispatched.recv_x, topk_idx, weights, ll_handle)
+    assert not [n for n in checked if n.startswith("handle")]
+    buf.low_latency_combine(backend.ll_dispatched.recv_x, topk_idx, weights, tuple(ll_handle))
+    assert [n for n in checked if n.startswith("handle")] == ["handle[0] (src_info)", "handle[1] (layout_range)"]
+
+
+def _other_buffer(monkeypatch):
+    backend = InstantBackend()
+    monkeypatch.setattr(buffer_module, "_make_backend", lambda *args: backend)
+    return Buffer(dist.ProcessGroup(dist.HashStore(), 0, R), num_nvl_bytes=1 << 20), backend
