@@ -127,6 +127,16 @@ class DistEnv:
         dist.barrier(device_ids=[self.local_rank])
 
 
+def on_all_ranks(dist_env, check):
+    """Run check() here; fail on every rank if it failed on any (never leave a rank hanging)."""
+    try:
+        check()
+        ok, message = True, ""
+    except Exception:
+        ok, message = False, traceback.format_exc()
+    assert dist_env.all_ok(ok), message or "failed on another rank"
+
+
 _DIST = None
 
 

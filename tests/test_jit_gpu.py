@@ -9,9 +9,10 @@ import shutil
 import tempfile
 import threading
 import time
-import traceback
 
 import pytest
+
+from .conftest import on_all_ranks
 
 from epcomm.errors import EpcommError
 from epcomm.runtime import compiler
@@ -91,14 +92,6 @@ def probe():
             yield
 
 
-def on_all_ranks(dist_env, check):
-    """Run check() here; fail on every rank if it failed on any (never leave a rank hanging)."""
-    try:
-        check()
-        ok, message = True, ""
-    except Exception:
-        ok, message = False, traceback.format_exc()
-    assert dist_env.all_ok(ok), message or "failed on another rank"
 
 
 def kernel(name, dist_env, feature=None):

@@ -4,7 +4,7 @@ unaligned and non-contiguous topk_idx), on both feature sets. Timings are printe
 Run under torchrun (`make test-gpu`); each rank checks its own GPU, all ranks agree on the verdict."""
 from __future__ import annotations
 
-import traceback
+from .conftest import on_all_ranks
 
 import pytest
 
@@ -53,13 +53,6 @@ def expect_same(got, want, what):
             f"{what}: num_tokens_per_rdma_rank"
 
 
-def on_all_ranks(dist_env, check):
-    try:
-        check()
-        ok, message = True, ""
-    except Exception:
-        ok, message = False, traceback.format_exc()
-    assert dist_env.all_ok(ok), message or "failed on another rank"
 
 
 def features(dist_env):
