@@ -2,6 +2,7 @@
 case's records to all ranks, and (rank 0) show progress, print the table and write the JSON."""
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import importlib
 import os
@@ -211,7 +212,15 @@ def rank_main(rank: int, world_size: int, port: int, opts: Options) -> None:
         exit_code = _finish(document, out, opts)
     dist.barrier(group=object_group)
     dist.destroy_process_group()
-    sys.exit(exit_code)
+    # Leave without interpreter teardown: gloo's C++ worker threads can still be joinable while
+    # torch's globals are destroyed, which aborts the process ("terminate called without an
+    # active exception") after all work has finished; that once failed a CI run. Everything this
+    # rank had to say is written and flushed by now. The atexit handlers still run (NVSHMEM
+    # finalisation among them).
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 def _finish(document: dict, out: str, opts: Options) -> int:
