@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import env, validate
-from .config import (BUFFER_ALIGNMENT_BYTES, COMBINE_CHUNKS, DISPATCH_CHUNKS, Config, align_buffer_bytes,
+from .config import (BUFFER_ALIGNMENT_BYTES, Config, align_buffer_bytes,
                      recommended)
 from .errors import BufferUnusable
 from .event import EventOverlap
@@ -232,12 +232,12 @@ class Buffer:
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
         """Recommended dispatch Config for num_ranks ranks with Buffer.num_sms SMs (any num_ranks >= 1)."""
-        return recommended(DISPATCH_CHUNKS, num_ranks, Buffer.num_sms)
+        return recommended("dispatch", num_ranks, Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
         """Recommended combine Config for num_ranks ranks with Buffer.num_sms SMs (any num_ranks >= 1)."""
-        return recommended(COMBINE_CHUNKS, num_ranks, Buffer.num_sms)
+        return recommended("combine", num_ranks, Buffer.num_sms)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,

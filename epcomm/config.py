@@ -7,6 +7,7 @@ specialisations on it. The size numbers come from the ops module that owns the b
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import operator
 from typing import Dict, Tuple
@@ -136,9 +137,20 @@ class Config:
                 "num_max_rdma_chunked_send_tokens={}, num_max_rdma_chunked_recv_tokens={})".format(*self._fields))
 
 
-def recommended(table: Dict[int, Tuple[int, int, int, int]], num_ranks: int, num_sms: int) -> Config:
-    """The table's Config for `num_ranks` ranks using `num_sms` SMs."""
+_TABLES = {"dispatch": DISPATCH_CHUNKS, "combine": COMBINE_CHUNKS}
+
+
+def recommended(kind: str, num_ranks: int, num_sms: int) -> Config:
+    """The Config of table `kind` ("dispatch" or "combine") for `num_ranks` ranks using `num_sms` SMs."""
     num_ranks = _positive_int("Buffer.get_dispatch_config/get_combine_config", "num_ranks", num_ranks)
+    return _table_config(kind, num_ranks, num_sms)
+
+
+@functools.lru_cache(maxsize=None)
+def _table_config(kind: str, num_ranks: int, num_sms: int) -> Config:
+    # Memoised: every dispatch / combine without a config looks its default up, building and
+    # validating a Config cost ~5 us of host time per call, and a Config is immutable.
+    table = _TABLES[kind]
     listed = sorted(table)
     key = next((r for r in listed if r >= num_ranks), listed[-1])
     return Config(num_sms, *table[key])
