@@ -158,38 +158,28 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
 template <int kRanks, int kRowInt4, int kScales, typename IdxT, bool kFresh>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ DispatchParams p) {
     using D = Dispatch<kRanks, kRowInt4, kScales, IdxT, kFresh>;
-    __shared__ char *peers[kRanks];
-    __shared__ int cursors[kWarps][kRanks];
-    __shared__ SendShared send_shared;
-    send_shared.zero();   // kernel_begin's __syncthreads orders this before any arrival
-    const unsigned long long epoch = kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
-    const Guard ctx = Guard::make(peers[p.rank], p.err, p.timeout_ns, p.op, p.rank);
-    trace_set(p.trace, kTrStart, trace_now());
+    __shared__ BlockShared<kRanks> sh;
+    const KernelStart k = data_kernel_begin<kRanks>(sh, p);
     // After any recorded failure the routing tables may be garbage (e.g. a notify that timed out):
     // touch nothing, only keep the epoch bookkeeping.
-    if (!ctx.failed()) {
-        if ((int)blockIdx.x < p.num_send_blocks) D::send(p, peers, cursors[warp_id()], send_shared.arrivals, epoch, ctx);
-        if (kRanks > 1) D::receive(p, peers, epoch, ctx);
+    if (!k.ctx.failed()) {
+        if ((int)blockIdx.x < p.num_send_blocks) D::send(p, sh, k.epoch, k.ctx);
+        if (kRanks > 1) D::receive(p, sh.peers, k.epoch, k.ctx);
         D::pad(p);
     }
-    kernel_end<kRanks>(peers, p.rank, epoch, p.trace);
+    kernel_end<kRanks>(sh.peers, p.rank, k.epoch, p.trace);
 }
 
 template <int kRanks, int kRowInt4>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineParams p) {
     using C = Combine<kRanks, kRowInt4>;
-    __shared__ char *peers[kRanks];
-    __shared__ int cursors[kWarps][kRanks];
-    __shared__ SendShared send_shared;
-    send_shared.zero();   // kernel_begin's __syncthreads orders this before any arrival
-    const unsigned long long epoch = kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
-    const Guard ctx = Guard::make(peers[p.rank], p.err, p.timeout_ns, p.op, p.rank);
-    trace_set(p.trace, kTrStart, trace_now());
-    if (!ctx.failed()) {
-        if ((int)blockIdx.x < p.num_send_blocks) C::push(p, peers, cursors[warp_id()], send_shared.arrivals, epoch, ctx);
-        C::reduce(p, peers, epoch, ctx);
+    __shared__ BlockShared<kRanks> sh;
+    const KernelStart k = data_kernel_begin<kRanks>(sh, p);
+    if (!k.ctx.failed()) {
+        if ((int)blockIdx.x < p.num_send_blocks) C::push(p, sh, k.epoch, k.ctx);
+        C::reduce(p, sh.peers, k.epoch, k.ctx);
     }
-    kernel_end<kRanks>(peers, p.rank, epoch, p.trace);
+    kernel_end<kRanks>(sh.peers, p.rank, k.epoch, p.trace);
 }
 
 }  // namespace intranode

@@ -28,29 +28,17 @@ struct Combine {
     // The reduction keeps one segment of every contributing rank in flight: <= kMaxUnroll int4 per lane.
     using ReduceSplit = RowSplit<kRowInt4, (kMaxUnroll / kRanks > 0 ? kMaxUnroll / kRanks : 1)>;
 
-    // Warp-level pusher: for chunk g of every source s, the rows this rank received from s's
-    // chunk g go back into s's ring of this rank, with their top-k weights. Items go round-robin
-    // over the block's warps across chunks and sources; chunk_done signals the peers.
-    static __device__ void push(const CombineParams &p, char *const *peers, int *cursor,
-                                unsigned int *arrivals, unsigned long long epoch, const Guard &ctx) {
+    // Warp-level pusher (chunk loop: send_chunks): for chunk g of every source s, the rows this
+    // rank received from s's chunk g go back into s's ring of this rank, with their top-k weights.
+    // Items go round-robin over the block's warps across chunks and sources.
+    static __device__ void push(const CombineParams &p, BlockShared<kRanks> &sh, unsigned long long epoch,
+                                const Guard &ctx) {
         const int lane = lane_id(), warp = warp_id(), rank = p.rank, stride = p.num_chunks + 1, k_top = p.num_topk;
-        for (int j = lane; j < kRanks; j += 32) cursor[j] = 0;
-        if (!wait_peers_idle<kRanks>(peers, rank, epoch, ctx)) return;
-        trace_set(p.trace, kTrIdle, trace_now());
+        char *const *peers = sh.peers;
         const long long ring_bytes = (long long)p.ring_rows * p.record_bytes;
         const int row_bytes = kRowInt4 * 16;
         int rotate = 0;   // items of this block's earlier (chunk, source) streams, mod kWarps
-        for (int g = blockIdx.x, chunk = 0; g < p.num_chunks; g += p.num_send_blocks, ++chunk) {
-            bool ok = true;
-            for (int s = lane; s < kRanks; s += 32) {
-                if (s == rank) continue;
-                const int *prefix = p.recv_channel_prefix + s * stride;
-                if (warp == 0 && __ldg(prefix + g + 1) - __ldg(prefix + g) > p.ring_rows)
-                    ctx.violation(s, kPhaseChunkTooBig);
-                ok = ok && wait_ring_space<kRanks>(prefix, g, p.ring_rows, cursor + s,
-                                                   consumed_ptr<kRanks>(peers[rank], s, 0), s, epoch, ctx);
-            }
-            if (!__all_sync(0xffffffffu, ok)) return;
+        send_chunks<kRanks>(p, p.recv_channel_prefix, sh, epoch, ctx, [&](int g) {
             for (int i = 1; i < kRanks; ++i) {
                 const int s = (rank + i) % kRanks;
                 const int begin = __ldg(p.recv_channel_prefix + s * stride + g);
@@ -76,11 +64,7 @@ struct Combine {
                 }
                 rotate = (rotate + items) % kWarps;
             }
-            const unsigned long long signal_start = trace_now();
-            chunk_done<kRanks>(arrivals + chunk, peers, rank, g);
-            trace_add(p.trace, kTrSignalNs, trace_now() - signal_start);
-        }
-        trace_set(p.trace, kTrSent, trace_now());
+        });
     }
 
     // Warp-level reducer: claims (chunk, part) of this rank's own tokens; once every peer signalled
@@ -97,9 +81,7 @@ struct Combine {
         const int self_base = rows_before(p.rank_prefix, kRanks, rank, rank);
         const int row_bytes = kRowInt4 * 16;
         while (true) {
-            unsigned int c = 0;
-            if (lane == 0) c = atomicAdd(claim, 1u);
-            c = __shfl_sync(0xffffffffu, c, 0);
+            const unsigned int c = warp_claim(claim);
             if (c >= total) break;
             trace_add(p.trace, kTrClaims, 1);
             const int g = c / kParts, part = c % kParts;

@@ -148,6 +148,12 @@ __device__ __forceinline__ unsigned int atomic_add_acq_rel_cta(unsigned int *sha
     asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v) : "memory");
     return old;
 }
+// A warp-wide claim: lane 0 takes the counter's next value, every lane gets it.
+__device__ __forceinline__ unsigned int warp_claim(unsigned int *counter) {
+    unsigned int c = 0;
+    if (lane_id() == 0) c = atomicAdd(counter, 1u);
+    return __shfl_sync(0xffffffffu, c, 0);
+}
 // Rows that peers write while the kernel runs: L2 only, never a stale L1 line.
 __device__ __forceinline__ int4 ld_cg_v4(const int4 *p) {
     int4 v;
@@ -274,14 +280,6 @@ __device__ __forceinline__ void chunk_done(unsigned int *arrivals, char *const *
     __syncwarp();
 }
 
-// Sender-side per-block state: chunk arrival counters (index: the block's i-th chunk).
-struct SendShared {
-    unsigned int arrivals[kMaxChunks];
-    __device__ __forceinline__ void zero() {
-        for (int i = threadIdx.x; i < kMaxChunks; i += blockDim.x) arrivals[i] = 0;
-    }
-};
-
 // Every block loads the peer table into shared memory; returns this kernel's epoch.
 template <int kRanks>
 __device__ __forceinline__ unsigned long long kernel_begin(char **peers, const long long *peer_bases, int rank) {
@@ -338,6 +336,64 @@ __device__ __forceinline__ bool wait_ring_space(const int *prefix, int g, int ri
     }
     *cursor = x;
     return true;
+}
+
+// Shared memory of a dispatch / combine block.
+template <int kRanks>
+struct BlockShared {
+    char *peers[kRanks];
+    int cursors[kWarps][kRanks];         // per sending warp and peer: wait_ring_space's cursor
+    unsigned int arrivals[kMaxChunks];   // per chunk the block sends (its i-th): warps done with it
+    __device__ __forceinline__ void zero() {
+        for (int j = threadIdx.x; j < kWarps * kRanks; j += blockDim.x) cursors[j / kRanks][j % kRanks] = 0;
+        for (int i = threadIdx.x; i < kMaxChunks; i += blockDim.x) arrivals[i] = 0;
+    }
+};
+
+// What every dispatch / combine block starts with (Params: DispatchParams or CombineParams).
+struct KernelStart {
+    unsigned long long epoch;
+    Guard ctx;
+};
+template <int kRanks, class Params>
+__device__ __forceinline__ KernelStart data_kernel_begin(BlockShared<kRanks> &sh, const Params &p) {
+    sh.zero();   // kernel_begin's __syncthreads orders this before any use
+    const unsigned long long epoch = kernel_begin<kRanks>(sh.peers, p.peer_bases, p.rank);
+    const KernelStart start{epoch, Guard::make(sh.peers[p.rank], p.err, p.timeout_ns, p.op, p.rank)};
+    trace_set(p.trace, kTrStart, trace_now());
+    return start;
+}
+
+// The chunk loop of a sending block (dispatch senders, combine pushers), per warp: chunks
+// blockIdx.x, blockIdx.x + num_send_blocks, ... For each chunk g: wait until every peer consumed
+// the rows that g overwrites in its ring (prefix + j * (G + 1): the stream prefix of the pair
+// written into peer j's ring), let send_chunk(g) store this warp's items, then chunk_done (the
+// last warp of the block signals the peers).
+template <int kRanks, class Params, class SendChunk>
+__device__ __forceinline__ void send_chunks(const Params &p, const int *prefix, BlockShared<kRanks> &sh,
+                                            unsigned long long epoch, const Guard &ctx, SendChunk send_chunk) {
+    const int lane = lane_id(), warp = warp_id(), rank = p.rank, stride = p.num_chunks + 1;
+    char *const *peers = sh.peers;
+    int *cursor = sh.cursors[warp];
+    if (!wait_peers_idle<kRanks>(peers, rank, epoch, ctx)) return;
+    trace_set(p.trace, kTrIdle, trace_now());
+    for (int g = blockIdx.x, i = 0; g < p.num_chunks; g += p.num_send_blocks, ++i) {
+        bool ok = true;
+        for (int j = lane; j < kRanks; j += 32) {
+            if (j == rank) continue;
+            const int *pair_prefix = prefix + j * stride;
+            if (warp == 0 && __ldg(pair_prefix + g + 1) - __ldg(pair_prefix + g) > p.ring_rows)
+                ctx.violation(j, kPhaseChunkTooBig);
+            ok = ok && wait_ring_space<kRanks>(pair_prefix, g, p.ring_rows, cursor + j,
+                                               consumed_ptr<kRanks>(peers[rank], j, 0), j, epoch, ctx);
+        }
+        if (!__all_sync(0xffffffffu, ok)) return;
+        send_chunk(g);
+        const unsigned long long signal_start = trace_now();
+        chunk_done<kRanks>(sh.arrivals + i, peers, rank, g);
+        trace_add(p.trace, kTrSignalNs, trace_now() - signal_start);
+    }
+    trace_set(p.trace, kTrSent, trace_now());
 }
 
 // Row copy geometry: a row of kRowInt4 16-byte units is moved in kSegs segments of up to 32*kUnroll
