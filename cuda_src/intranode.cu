@@ -15,12 +15,15 @@
 // (j pushes stream k of pair (s -> j) into s's ring of peer j).
 //
 // Signals (all in the signalled rank's own header, never reset by the writer):
-//   ready[s][g]    u32: +1 per sender warp done with chunk g (kWarps per chunk); the receiver that
-//                  consumes the chunk sets it back to 0 before it publishes consumed.
+//   ready[s][g]    u32: kWarps once the block that sent chunk g is done with it (chunk_done); the
+//                  receiver that consumes the chunk sets it back to 0 before it publishes consumed.
 //   consumed[j][g] u64: epoch at which j consumed chunk g of this rank (ring space is free).
 //   done[j]        u64: epoch of the last kernel rank j finished: nobody writes into j's buffer
 //                  before j finished the previous kernel (so no reset ever races a write).
 //   notify_flag[s] u64: epoch at which s's counts arrived.
+// Work claims (rank-local counters, set back to 0 by the last block to finish a kernel): sending
+// blocks take chunks in increasing order (Header::kSendClaim, send_chunks), receivers take pieces
+// of landed chunks in chunk order (Header::kClaim).
 // `epoch` counts this rank's intranode kernels (device-resident; bumped by the last block to
 // finish), so CUDA-graph replays and repeated calls need nothing from the host.
 // Every wait on a peer is bounded (Guard: WaitContext's deadline and ErrorRecord, see

@@ -38,6 +38,7 @@ struct Header {
     static constexpr long long kFinished = 8;       // u32, local: blocks done with this kernel
     static constexpr long long kClaim = 12;         // u32, local: next receive claim
     static constexpr long long kFailed = 16;        // u32, local: nonzero once a kernel of this rank failed
+    static constexpr long long kSendClaim = 20;     // u32, local: next chunk a sending block takes
     static constexpr long long kDone = 64;          // u64[R]
     static constexpr long long kNotifyFlag = kDone + 8LL * kRanks;
     static constexpr long long kReady = (kNotifyFlag + 8LL * kRanks + 127) / 128 * 128;  // u32[R][G]
@@ -125,7 +126,8 @@ enum TraceSlot : int {
     kTrClaims = 7,    // receive claims taken
     kTrEnd = 8,       // block reached kernel_end (warp 0); last block: + done published (slot 9)
     kTrPublished = 9,
-    kTraceSlots = 10
+    kTrChunks = 10,   // chunks this warp's block sent (send_chunks)
+    kTraceSlots = 11
 };
 __device__ __forceinline__ unsigned long long *trace_row(unsigned long long *trace) {
     return trace + ((long long)blockIdx.x * kTraceWarps + (threadIdx.x >> 5)) * kTraceSlots;
@@ -302,6 +304,7 @@ __device__ __forceinline__ void kernel_end(char *const *peers, int rank, unsigne
     __threadfence();
     *finished = 0;
     *reinterpret_cast<volatile unsigned int *>(local + Header<kRanks>::kClaim) = 0;
+    *reinterpret_cast<volatile unsigned int *>(local + Header<kRanks>::kSendClaim) = 0;
     *reinterpret_cast<volatile unsigned long long *>(local + Header<kRanks>::kEpoch) = epoch;
     fence_acq_rel_sys();
     for (int j = 0; j < kRanks; ++j)
@@ -344,9 +347,33 @@ struct BlockShared {
     char *peers[kRanks];
     int cursors[kWarps][kRanks];         // per sending warp and peer: wait_ring_space's cursor
     unsigned int arrivals[kMaxChunks];   // per chunk the block sends (its i-th): warps done with it
+    // The block's i-th chunk: 0 not claimed yet, 1 being claimed, else chunk + 2 (a chunk >= G: none
+    // left). A block takes at most G chunks and then one past the end, hence G + 1 slots.
+    int claimed[kMaxChunks + 1];
     __device__ __forceinline__ void zero() {
         for (int j = threadIdx.x; j < kWarps * kRanks; j += blockDim.x) cursors[j / kRanks][j % kRanks] = 0;
         for (int i = threadIdx.x; i < kMaxChunks; i += blockDim.x) arrivals[i] = 0;
+        for (int i = threadIdx.x; i <= kMaxChunks; i += blockDim.x) claimed[i] = 0;
+    }
+    // The block's i-th chunk, for every warp of the block (warps walk i = 0, 1, ... in step but
+    // not in sync). The first warp to get here takes the rank's next chunk from `counter`; the
+    // others wait for it here (in shared memory: that warp only does one atomic meanwhile, so the
+    // wait needs no bound).
+    __device__ __forceinline__ int claim_chunk(int i, unsigned int *counter) {
+        int g = 0;
+        if (lane_id() == 0) {
+            volatile int *slot = &claimed[i];
+            if (atomicCAS(&claimed[i], 0, 1) == 0) {
+                g = static_cast<int>(atomicAdd(counter, 1u));
+                *slot = g + 2;
+            } else {
+                int v;
+                while ((v = *slot) == 1) {
+                }
+                g = v - 2;
+            }
+        }
+        return __shfl_sync(0xffffffffu, g, 0);
     }
 };
 
@@ -364,11 +391,17 @@ __device__ __forceinline__ KernelStart data_kernel_begin(BlockShared<kRanks> &sh
     return start;
 }
 
-// The chunk loop of a sending block (dispatch senders, combine pushers), per warp: chunks
-// blockIdx.x, blockIdx.x + num_send_blocks, ... For each chunk g: wait until every peer consumed
-// the rows that g overwrites in its ring (prefix + j * (G + 1): the stream prefix of the pair
-// written into peer j's ring), let send_chunk(g) store this warp's items, then chunk_done (the
-// last warp of the block signals the peers).
+// The chunk loop of a sending block (dispatch senders, combine pushers), per warp. Chunks go to the
+// sending blocks one at a time, in increasing order, from a rank-wide counter (claim_chunk), so a
+// block that moves rows faster takes more of them and all sending blocks run out within about one
+// chunk of each other. (A static chunk-to-block map left 80-110 us between the first and the last
+// sending block to finish, bench/NOTES.md run 3.) Rows still land where send_head puts them, and
+// every chunk is signalled on its own, so the order in which chunks complete does not matter to the
+// receivers; increasing claims keep the ring-space waits deadlock-free (a chunk waits only for
+// chunks claimed before it). For each chunk g: wait until every peer consumed the rows that g
+// overwrites in its ring (prefix + j * (G + 1): the stream prefix of the pair written into peer j's
+// ring), let send_chunk(g) store this warp's items, then chunk_done (the last warp of the block
+// signals the peers).
 template <int kRanks, class Params, class SendChunk>
 __device__ __forceinline__ void send_chunks(const Params &p, const int *prefix, BlockShared<kRanks> &sh,
                                             unsigned long long epoch, const Guard &ctx, SendChunk send_chunk) {
@@ -377,7 +410,11 @@ __device__ __forceinline__ void send_chunks(const Params &p, const int *prefix, 
     int *cursor = sh.cursors[warp];
     if (!wait_peers_idle<kRanks>(peers, rank, epoch, ctx)) return;
     trace_set(p.trace, kTrIdle, trace_now());
-    for (int g = blockIdx.x, i = 0; g < p.num_chunks; g += p.num_send_blocks, ++i) {
+    auto *counter = reinterpret_cast<unsigned int *>(peers[rank] + Header<kRanks>::kSendClaim);
+    for (int i = 0;; ++i) {
+        const int g = sh.claim_chunk(i, counter);
+        if (g >= p.num_chunks) break;
+        trace_add(p.trace, kTrChunks, 1);
         bool ok = true;
         for (int j = lane; j < kRanks; j += 32) {
             if (j == rank) continue;

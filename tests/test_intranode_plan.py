@@ -59,7 +59,8 @@ def test_header_and_constants_mirror_cpp():
                      f"\"header bytes R={ranks}\");")
     for name, value in (("kThreads", plan.THREADS), ("kNotifyThreads", plan.NOTIFY_THREADS),
                         ("kMaxChunks", plan.MAX_CHUNKS), ("kParts", plan.PARTS_PER_CHUNK),
-                        ("kPhaseConfigMismatch", len(plan.PHASES) - 1)):
+                        ("kPhaseConfigMismatch", len(plan.PHASES) - 1),
+                        ("kTraceSlots", len(plan.TRACE_SLOTS)), ("kTraceWarps", plan.TRACE_WARPS)):
         lines.append(f"static_assert(epcomm::intranode::{name} == {value}, \"{name}\");")
     target = options.Target.make(90, 90)
     try:
