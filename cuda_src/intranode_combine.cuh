@@ -69,6 +69,14 @@ struct Combine {
 
     // Warp-level reducer: claims (chunk, part) of this rank's own tokens; once every peer signalled
     // the chunk, sums bias0 + bias1 + the rows of ranks 0..R-1 (ascending, fp32) per token.
+    // A claim is ~16 items that each wait one memory latency (their rows' loads), so every other
+    // latency a claim waits for shows: its send_head loads are issued before its ready wait, and
+    // (up to 4 ranks) a token's top-k weights load with its first segment's rows instead of after
+    // the row stores (two more dependent latencies on each such item, and those items sit in 2 of
+    // every 8 claims). Run 3 fit (bench/NOTES.md): reducing ran at ~16.5 GB/s of output per block,
+    // the limit of the combine at 24 SMs. (Taking the next claim while reducing this one does not
+    // fit: at 128 registers its result spills, and the spill store waits for the atomic.)
+    static constexpr bool kWeightsWithRows = kRanks <= 4;   // 8 ranks: the 8 extra registers spill
     static __device__ void reduce(const CombineParams &p, char *const *peers, unsigned long long epoch,
                                   const Guard &ctx) {
         using S = ReduceSplit;
@@ -85,6 +93,17 @@ struct Combine {
             if (c >= total) break;
             trace_add(p.trace, kTrClaims, 1);
             const int g = c / kParts, part = c % kParts;
+            const int t0 = min(g * tpc, n), t1 = min(t0 + tpc, n);
+            // send_head of 32 tokens at a time, one token per lane: the rows' addresses depend on
+            // it, so loading it per item would put a second memory latency before every row load.
+            int cached_first = t0 + part / S::kSegs, lane_head[kRanks];
+            const auto load_heads = [&] {
+#pragma unroll
+                for (int j = 0; j < kRanks; ++j)
+                    lane_head[j] = cached_first + lane < t1 ? __ldg(p.send_head + (long long)(cached_first + lane) * kRanks + j) : -1;
+            };
+            load_heads();   // local table: in flight during the wait below
+
             bool ok = true;
             const unsigned long long wait_start = trace_now();
             for (int j = lane; j < kRanks; j += 32) {
@@ -94,23 +113,18 @@ struct Combine {
                     ctx.violation(j, kPhaseChunkTooBig);
             }
             if (!__all_sync(0xffffffffu, ok)) return;
+            __syncwarp();   // the lanes that acquired the peers' signals order every lane's reads below
             if (kTrace) {
                 const unsigned long long now = trace_now();
                 trace_add(p.trace, kTrWaitNs, now - wait_start);
                 if (lane == 0 && p.trace != nullptr && trace_row(p.trace)[kTrFirstData] == 0) trace_row(p.trace)[kTrFirstData] = now;
             }
 
-            const int t0 = min(g * tpc, n), t1 = min(t0 + tpc, n);
-            // send_head of 32 tokens at a time, one token per lane: the rows' addresses depend on
-            // it, so loading it per item would put a second memory latency before every row load.
-            int cached_first = -32, lane_head[kRanks];
             for (int item = part; item < (t1 - t0) * S::kSegs; item += kParts) {
                 const int t = t0 + item / S::kSegs, seg = item % S::kSegs;
                 if (t - cached_first >= 32) {
                     cached_first = t;
-#pragma unroll
-                    for (int j = 0; j < kRanks; ++j)
-                        lane_head[j] = t + lane < t1 ? __ldg(p.send_head + (long long)(t + lane) * kRanks + j) : -1;
+                    load_heads();
                 }
                 int head[kRanks];
 #pragma unroll
@@ -129,6 +143,22 @@ struct Combine {
                         if (seg * S::kSegInt4 + u * 32 + lane < kRowInt4)
                             v[j][u] = j == rank ? ld_nc_v4(src + u * 32 + lane) : ld_cg_v4(src + u * 32 + lane);
                 }
+                // The token's top-k weight `lane` as rank j returned it.
+                const auto weight_of = [&](int j) {
+                    return j == rank ? __ldg(p.topk_weights + (long long)(self_base + head[j]) * k_top + lane)
+                                     : __ldcg(reinterpret_cast<const float *>(
+                                           local + p.staging_offset + ring_index<kRanks>(j, rank) * ring_bytes +
+                                           (long long)(head[j] % p.ring_rows) * p.record_bytes + row_bytes) + lane);
+                };
+                const bool weights = seg == 0 && lane < k_top;
+                float weight[kWeightsWithRows ? kRanks : 1];
+                if constexpr (kWeightsWithRows) {
+                    if (weights) {
+#pragma unroll
+                        for (int j = 0; j < kRanks; ++j)
+                            if (head[j] >= 0) weight[j] = weight_of(j);
+                    }
+                }
 #pragma unroll
                 for (int u = 0; u < S::kUnroll; ++u) {
                     const int idx = seg * S::kSegInt4 + u * 32 + lane;
@@ -146,15 +176,13 @@ struct Combine {
                     out.w = (int)(f32_to_bf16_rne(acc[6]) | (f32_to_bf16_rne(acc[7]) << 16));
                     static_cast<int4 *>(p.combined_x)[(long long)t * kRowInt4 + idx] = out;
                 }
-                if (seg == 0 && lane < k_top) {
+                if (weights) {
                     float w = 0.f;
 #pragma unroll
                     for (int j = 0; j < kRanks; ++j) {
                         if (head[j] < 0) continue;
-                        w += j == rank ? p.topk_weights[(long long)(self_base + head[j]) * k_top + lane]
-                                       : __ldcg(reinterpret_cast<const float *>(
-                                             local + p.staging_offset + ring_index<kRanks>(j, rank) * ring_bytes +
-                                             (long long)(head[j] % p.ring_rows) * p.record_bytes + row_bytes) + lane);
+                        if constexpr (kWeightsWithRows) w += weight[j];
+                        else w += weight_of(j);
                     }
                     p.combined_weights[(long long)t * k_top + lane] = w;
                 }
