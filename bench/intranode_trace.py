@@ -101,6 +101,16 @@ def _trace_summary(trace, slots):
         out[name.replace("_ns", "_us")] = {"sum": round(float(v.sum()) / 1e3, 1),
                                            "max_warp": round(float(v.max()) / 1e3, 1)}
     out["claims"] = int(t[..., idx["claims"]].sum())
+    # Chunks per sending block (warp 0 counts every chunk of its block): how evenly the dynamic
+    # claims spread them.
+    chunks = t[:, 0, idx["chunks"]]
+    senders = chunks > 0
+    if bool(senders.any()):
+        out["chunks_per_send_block"] = {"min": int(chunks[senders].min()), "max": int(chunks[senders].max()),
+                                        "blocks": int(senders.sum())}
+        # us at which each sending block's last warp left the send loop, in block order
+        sent = t[..., idx["sent"]].max(1).values[senders]
+        out["sent_by_send_block"] = [round(float(v - t0) / 1e3, 1) for v in sent]
     return out
 
 

@@ -15,12 +15,15 @@
 // (j pushes stream k of pair (s -> j) into s's ring of peer j).
 //
 // Signals (all in the signalled rank's own header, never reset by the writer):
-//   ready[s][g]    u32: +1 per sender warp done with chunk g (kWarps per chunk); the receiver that
-//                  consumes the chunk sets it back to 0 before it publishes consumed.
+//   ready[s][g]    u32: kWarps once the block that sent chunk g is done with it (chunk_done); the
+//                  receiver that consumes the chunk sets it back to 0 before it publishes consumed.
 //   consumed[j][g] u64: epoch at which j consumed chunk g of this rank (ring space is free).
 //   done[j]        u64: epoch of the last kernel rank j finished: nobody writes into j's buffer
 //                  before j finished the previous kernel (so no reset ever races a write).
 //   notify_flag[s] u64: epoch at which s's counts arrived.
+// Work claims (rank-local counters, set back to 0 by the last block to finish a kernel): sending
+// blocks take chunks in increasing order (Header::kSendClaim, send_chunks), receivers take pieces
+// of landed chunks in chunk order (Header::kClaim).
 // `epoch` counts this rank's intranode kernels (device-resident; bumped by the last block to
 // finish), so CUDA-graph replays and repeated calls need nothing from the host.
 // Every wait on a peer is bounded (Guard: WaitContext's deadline and ErrorRecord, see
@@ -158,38 +161,28 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
 template <int kRanks, int kRowInt4, int kScales, typename IdxT, bool kFresh>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ DispatchParams p) {
     using D = Dispatch<kRanks, kRowInt4, kScales, IdxT, kFresh>;
-    __shared__ char *peers[kRanks];
-    __shared__ int cursors[kWarps][kRanks];
-    __shared__ SendShared send_shared;
-    send_shared.zero();   // kernel_begin's __syncthreads orders this before any arrival
-    const unsigned long long epoch = kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
-    const Guard ctx = Guard::make(peers[p.rank], p.err, p.timeout_ns, p.op, p.rank);
-    trace_set(p.trace, kTrStart, trace_now());
+    __shared__ BlockShared<kRanks> sh;
+    const KernelStart k = data_kernel_begin<kRanks>(sh, p);
     // After any recorded failure the routing tables may be garbage (e.g. a notify that timed out):
     // touch nothing, only keep the epoch bookkeeping.
-    if (!ctx.failed()) {
-        if ((int)blockIdx.x < p.num_send_blocks) D::send(p, peers, cursors[warp_id()], send_shared.arrivals, epoch, ctx);
-        if (kRanks > 1) D::receive(p, peers, epoch, ctx);
+    if (!k.ctx.failed()) {
+        if ((int)blockIdx.x < p.num_send_blocks) D::send(p, sh, k.epoch, k.ctx);
+        if (kRanks > 1) D::receive(p, sh.peers, k.epoch, k.ctx);
         D::pad(p);
     }
-    kernel_end<kRanks>(peers, p.rank, epoch, p.trace);
+    kernel_end<kRanks>(sh.peers, p.rank, k.epoch, p.trace);
 }
 
 template <int kRanks, int kRowInt4>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineParams p) {
     using C = Combine<kRanks, kRowInt4>;
-    __shared__ char *peers[kRanks];
-    __shared__ int cursors[kWarps][kRanks];
-    __shared__ SendShared send_shared;
-    send_shared.zero();   // kernel_begin's __syncthreads orders this before any arrival
-    const unsigned long long epoch = kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
-    const Guard ctx = Guard::make(peers[p.rank], p.err, p.timeout_ns, p.op, p.rank);
-    trace_set(p.trace, kTrStart, trace_now());
-    if (!ctx.failed()) {
-        if ((int)blockIdx.x < p.num_send_blocks) C::push(p, peers, cursors[warp_id()], send_shared.arrivals, epoch, ctx);
-        C::reduce(p, peers, epoch, ctx);
+    __shared__ BlockShared<kRanks> sh;
+    const KernelStart k = data_kernel_begin<kRanks>(sh, p);
+    if (!k.ctx.failed()) {
+        if ((int)blockIdx.x < p.num_send_blocks) C::push(p, sh, k.epoch, k.ctx);
+        C::reduce(p, sh.peers, k.epoch, k.ctx);
     }
-    kernel_end<kRanks>(peers, p.rank, epoch, p.trace);
+    kernel_end<kRanks>(sh.peers, p.rank, k.epoch, p.trace);
 }
 
 }  // namespace intranode

@@ -38,6 +38,7 @@ struct Header {
     static constexpr long long kFinished = 8;       // u32, local: blocks done with this kernel
     static constexpr long long kClaim = 12;         // u32, local: next receive claim
     static constexpr long long kFailed = 16;        // u32, local: nonzero once a kernel of this rank failed
+    static constexpr long long kSendClaim = 20;     // u32, local: next chunk a sending block takes
     static constexpr long long kDone = 64;          // u64[R]
     static constexpr long long kNotifyFlag = kDone + 8LL * kRanks;
     static constexpr long long kReady = (kNotifyFlag + 8LL * kRanks + 127) / 128 * 128;  // u32[R][G]
@@ -125,7 +126,8 @@ enum TraceSlot : int {
     kTrClaims = 7,    // receive claims taken
     kTrEnd = 8,       // block reached kernel_end (warp 0); last block: + done published (slot 9)
     kTrPublished = 9,
-    kTraceSlots = 10
+    kTrChunks = 10,   // chunks this warp's block sent (send_chunks)
+    kTraceSlots = 11
 };
 __device__ __forceinline__ unsigned long long *trace_row(unsigned long long *trace) {
     return trace + ((long long)blockIdx.x * kTraceWarps + (threadIdx.x >> 5)) * kTraceSlots;
@@ -147,6 +149,12 @@ __device__ __forceinline__ unsigned int atomic_add_acq_rel_cta(unsigned int *sha
     const unsigned int addr = static_cast<unsigned int>(__cvta_generic_to_shared(shared));
     asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v) : "memory");
     return old;
+}
+// A warp-wide claim: lane 0 takes the counter's next value, every lane gets it.
+__device__ __forceinline__ unsigned int warp_claim(unsigned int *counter) {
+    unsigned int c = 0;
+    if (lane_id() == 0) c = atomicAdd(counter, 1u);
+    return __shfl_sync(0xffffffffu, c, 0);
 }
 // Rows that peers write while the kernel runs: L2 only, never a stale L1 line.
 __device__ __forceinline__ int4 ld_cg_v4(const int4 *p) {
@@ -274,14 +282,6 @@ __device__ __forceinline__ void chunk_done(unsigned int *arrivals, char *const *
     __syncwarp();
 }
 
-// Sender-side per-block state: chunk arrival counters (index: the block's i-th chunk).
-struct SendShared {
-    unsigned int arrivals[kMaxChunks];
-    __device__ __forceinline__ void zero() {
-        for (int i = threadIdx.x; i < kMaxChunks; i += blockDim.x) arrivals[i] = 0;
-    }
-};
-
 // Every block loads the peer table into shared memory; returns this kernel's epoch.
 template <int kRanks>
 __device__ __forceinline__ unsigned long long kernel_begin(char **peers, const long long *peer_bases, int rank) {
@@ -304,6 +304,7 @@ __device__ __forceinline__ void kernel_end(char *const *peers, int rank, unsigne
     __threadfence();
     *finished = 0;
     *reinterpret_cast<volatile unsigned int *>(local + Header<kRanks>::kClaim) = 0;
+    *reinterpret_cast<volatile unsigned int *>(local + Header<kRanks>::kSendClaim) = 0;
     *reinterpret_cast<volatile unsigned long long *>(local + Header<kRanks>::kEpoch) = epoch;
     fence_acq_rel_sys();
     for (int j = 0; j < kRanks; ++j)
@@ -338,6 +339,98 @@ __device__ __forceinline__ bool wait_ring_space(const int *prefix, int g, int ri
     }
     *cursor = x;
     return true;
+}
+
+// Shared memory of a dispatch / combine block.
+template <int kRanks>
+struct BlockShared {
+    char *peers[kRanks];
+    int cursors[kWarps][kRanks];         // per sending warp and peer: wait_ring_space's cursor
+    unsigned int arrivals[kMaxChunks];   // per chunk the block sends (its i-th): warps done with it
+    // The block's i-th chunk: 0 not claimed yet, 1 being claimed, else chunk + 2 (a chunk >= G: none
+    // left). A block takes at most G chunks and then one past the end, hence G + 1 slots.
+    int claimed[kMaxChunks + 1];
+    __device__ __forceinline__ void zero() {
+        for (int j = threadIdx.x; j < kWarps * kRanks; j += blockDim.x) cursors[j / kRanks][j % kRanks] = 0;
+        for (int i = threadIdx.x; i < kMaxChunks; i += blockDim.x) arrivals[i] = 0;
+        for (int i = threadIdx.x; i <= kMaxChunks; i += blockDim.x) claimed[i] = 0;
+    }
+    // The block's i-th chunk, for every warp of the block (warps walk i = 0, 1, ... in step but
+    // not in sync). The first warp to get here takes the rank's next chunk from `counter`; the
+    // others wait for it here (in shared memory: that warp only does one atomic meanwhile, so the
+    // wait needs no bound).
+    __device__ __forceinline__ int claim_chunk(int i, unsigned int *counter) {
+        int g = 0;
+        if (lane_id() == 0) {
+            volatile int *slot = &claimed[i];
+            if (atomicCAS(&claimed[i], 0, 1) == 0) {
+                g = static_cast<int>(atomicAdd(counter, 1u));
+                *slot = g + 2;
+            } else {
+                int v;
+                while ((v = *slot) == 1) {
+                }
+                g = v - 2;
+            }
+        }
+        return __shfl_sync(0xffffffffu, g, 0);
+    }
+};
+
+// What every dispatch / combine block starts with (Params: DispatchParams or CombineParams).
+struct KernelStart {
+    unsigned long long epoch;
+    Guard ctx;
+};
+template <int kRanks, class Params>
+__device__ __forceinline__ KernelStart data_kernel_begin(BlockShared<kRanks> &sh, const Params &p) {
+    sh.zero();   // kernel_begin's __syncthreads orders this before any use
+    const unsigned long long epoch = kernel_begin<kRanks>(sh.peers, p.peer_bases, p.rank);
+    const KernelStart start{epoch, Guard::make(sh.peers[p.rank], p.err, p.timeout_ns, p.op, p.rank)};
+    trace_set(p.trace, kTrStart, trace_now());
+    return start;
+}
+
+// The chunk loop of a sending block (dispatch senders, combine pushers), per warp. Chunks go to the
+// sending blocks one at a time, in increasing order, from a rank-wide counter (claim_chunk), so a
+// block that moves rows faster takes more of them and all sending blocks run out within about one
+// chunk of each other. (A static chunk-to-block map left 80-110 us between the first and the last
+// sending block to finish, bench/NOTES.md run 3.) Rows still land where send_head puts them, and
+// every chunk is signalled on its own, so the order in which chunks complete does not matter to the
+// receivers; increasing claims keep the ring-space waits deadlock-free (a chunk waits only for
+// chunks claimed before it). For each chunk g: wait until every peer consumed the rows that g
+// overwrites in its ring (prefix + j * (G + 1): the stream prefix of the pair written into peer j's
+// ring), let send_chunk(g) store this warp's items, then chunk_done (the last warp of the block
+// signals the peers).
+template <int kRanks, class Params, class SendChunk>
+__device__ __forceinline__ void send_chunks(const Params &p, const int *prefix, BlockShared<kRanks> &sh,
+                                            unsigned long long epoch, const Guard &ctx, SendChunk send_chunk) {
+    const int lane = lane_id(), warp = warp_id(), rank = p.rank, stride = p.num_chunks + 1;
+    char *const *peers = sh.peers;
+    int *cursor = sh.cursors[warp];
+    if (!wait_peers_idle<kRanks>(peers, rank, epoch, ctx)) return;
+    trace_set(p.trace, kTrIdle, trace_now());
+    auto *counter = reinterpret_cast<unsigned int *>(peers[rank] + Header<kRanks>::kSendClaim);
+    for (int i = 0;; ++i) {
+        const int g = sh.claim_chunk(i, counter);
+        if (g >= p.num_chunks) break;
+        trace_add(p.trace, kTrChunks, 1);
+        bool ok = true;
+        for (int j = lane; j < kRanks; j += 32) {
+            if (j == rank) continue;
+            const int *pair_prefix = prefix + j * stride;
+            if (warp == 0 && __ldg(pair_prefix + g + 1) - __ldg(pair_prefix + g) > p.ring_rows)
+                ctx.violation(j, kPhaseChunkTooBig);
+            ok = ok && wait_ring_space<kRanks>(pair_prefix, g, p.ring_rows, cursor + j,
+                                               consumed_ptr<kRanks>(peers[rank], j, 0), j, epoch, ctx);
+        }
+        if (!__all_sync(0xffffffffu, ok)) return;
+        send_chunk(g);
+        const unsigned long long signal_start = trace_now();
+        chunk_done<kRanks>(sh.arrivals + i, peers, rank, g);
+        trace_add(p.trace, kTrSignalNs, trace_now() - signal_start);
+    }
+    trace_set(p.trace, kTrSent, trace_now());
 }
 
 // Row copy geometry: a row of kRowInt4 16-byte units is moved in kSegs segments of up to 32*kUnroll

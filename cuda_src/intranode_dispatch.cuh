@@ -46,33 +46,19 @@ struct Dispatch {
         return base + p.staging_offset + ring * ring_bytes + (long long)(k % p.ring_rows) * p.record_bytes;
     }
 
-    // Warp-level sender: chunks blockIdx.x, blockIdx.x + S, ...; the block's (token, segment) items,
-    // chunk after chunk, go round-robin over its warps (so small chunks still spread over all warps);
-    // a warp reads an item once and stores it to every destination, then arrives on the chunk
-    // (chunk_done: the last warp signals the peers).
-    static __device__ void send(const DispatchParams &p, char *const *peers, int *cursor,
-                                unsigned int *arrivals, unsigned long long epoch, const Guard &ctx) {
+    // Warp-level sender (chunk loop: send_chunks). The block's (token, segment) items, chunk after
+    // chunk, go round-robin over its warps (so small chunks still spread over all warps); a warp
+    // reads an item once and stores it to every destination.
+    static __device__ void send(const DispatchParams &p, BlockShared<kRanks> &sh, unsigned long long epoch,
+                                const Guard &ctx) {
         const int lane = lane_id(), warp = warp_id(), rank = p.rank;
-        const int n = p.num_tokens, tpc = p.tokens_per_chunk, stride = p.num_chunks + 1;
-        for (int j = lane; j < kRanks; j += 32) cursor[j] = 0;
-        if (!wait_peers_idle<kRanks>(peers, rank, epoch, ctx)) return;
-        trace_set(p.trace, kTrIdle, trace_now());
+        const int n = p.num_tokens, tpc = p.tokens_per_chunk;
+        char *const *peers = sh.peers;
         const int self_base = rows_before(p.rank_prefix, kRanks, rank, rank);
         const long long ring_bytes = (long long)p.ring_rows * p.record_bytes;
         int rotate = 0;   // items of this block's earlier chunks, mod kWarps
 
-        for (int g = blockIdx.x, i = 0; g < p.num_chunks; g += p.num_send_blocks, ++i) {
-            bool ok = true;
-            for (int j = lane; j < kRanks; j += 32) {
-                if (j == rank) continue;
-                const int *prefix = p.channel_prefix + j * stride;
-                if (warp == 0 && __ldg(prefix + g + 1) - __ldg(prefix + g) > p.ring_rows)
-                    ctx.violation(j, kPhaseChunkTooBig);
-                ok = ok && wait_ring_space<kRanks>(prefix, g, p.ring_rows, cursor + j,
-                                                   consumed_ptr<kRanks>(peers[rank], j, 0), j, epoch, ctx);
-            }
-            if (!__all_sync(0xffffffffu, ok)) return;
-
+        send_chunks<kRanks>(p, p.channel_prefix, sh, epoch, ctx, [&](int g) {
             const int t0 = min(g * tpc, n), t1 = min(t0 + tpc, n), items = (t1 - t0) * Split::kSegs;
             for (int item = (warp - rotate + kWarps) % kWarps; item < items; item += kWarps) {
                 const int t = t0 + item / Split::kSegs, seg = item % Split::kSegs;
@@ -111,11 +97,7 @@ struct Dispatch {
                 }
             }
             rotate = (rotate + items) % kWarps;
-            const unsigned long long signal_start = trace_now();
-            chunk_done<kRanks>(arrivals + i, peers, rank, g);
-            trace_add(p.trace, kTrSignalNs, trace_now() - signal_start);
-        }
-        trace_set(p.trace, kTrSent, trace_now());
+        });
     }
 
     static __device__ __forceinline__ void load_meta(const DispatchParams &p, int t, Meta &meta) {
@@ -177,13 +159,16 @@ struct Dispatch {
         const unsigned int total = (unsigned int)p.num_chunks * per_chunk;
         const long long ring_bytes = (long long)p.ring_rows * p.record_bytes;
         while (true) {
-            unsigned int c = 0;
-            if (lane == 0) c = atomicAdd(claim, 1u);
-            c = __shfl_sync(0xffffffffu, c, 0);
+            const unsigned int c = warp_claim(claim);
             if (c >= total) break;
             trace_add(p.trace, kTrClaims, 1);
             const int g = c / per_chunk, r = c % per_chunk, part = r % kParts;
             const int s = (rank + 1 + r / kParts) % kRanks;
+            // Where the chunk's rows go: local tables, loaded before the wait so that their latency
+            // is not added to the claim's (a claim is only ~8 items).
+            const int begin = __ldg(p.recv_channel_prefix + s * stride + g);
+            const int end = __ldg(p.recv_channel_prefix + s * stride + g + 1);
+            const int base = rows_before(p.rank_prefix, kRanks, s, rank);
             bool ok = true;
             const unsigned long long wait_start = trace_now();
             if (lane == 0) ok = wait_at_least(ctx, ready_ptr<kRanks>(local, s, g), kWarps, s, kPhaseData);
@@ -195,11 +180,8 @@ struct Dispatch {
                 if (lane == 0 && p.trace != nullptr && trace_row(p.trace)[kTrFirstData] == 0) trace_row(p.trace)[kTrFirstData] = now;
             }
 
-            const int begin = __ldg(p.recv_channel_prefix + s * stride + g);
-            const int end = __ldg(p.recv_channel_prefix + s * stride + g + 1);
             if (part == 0 && lane == 0 && end - begin > p.ring_rows)
                 ctx.violation(s, kPhaseChunkTooBig);
-            const int base = rows_before(p.rank_prefix, kRanks, s, rank);
             for (int item = part; item < (end - begin) * Split::kSegs; item += kParts) {
                 const int k = begin + item / Split::kSegs, seg = item % Split::kSegs;
                 const int pos = base + k;

@@ -169,12 +169,13 @@ def run_dispatch(buffer, inp: Inputs, device, fp8: bool, use_topk=True, config=N
                            config=config, **kw)
 
 
-def combine_inputs(inputs, rank_count, num_experts):
-    """Combine inputs of every rank: its oracle recv rows scaled by (rank + 1) (BF16), so each
-    source's contribution is distinct; and the matching received top-k weights."""
+def combine_inputs(inputs, rank_count, num_experts, data: Optional[List[Inputs]] = None):
+    """Combine inputs of every rank: its oracle recv rows (of `data`'s rows if given, routed as
+    `inputs`) scaled by (rank + 1) (BF16), so each source's contribution is distinct; and the
+    matching received top-k weights."""
     xs, ws = [], []
     for r in range(rank_count):
-        want = expected_dispatch(inputs, r, num_experts, False)
+        want = expected_dispatch(inputs, r, num_experts, False, data=data)
         xs.append((want["recv_x"].float() * (r + 1)).to(torch.bfloat16))
         ws.append(want["recv_topk_weights"])
     return xs, ws
@@ -429,6 +430,71 @@ def test_ring_reuse_with_a_small_buffer(dist_env):
         torch.cuda.synchronize()
         dist_env.barrier()
         buf.destroy()
+
+
+@pytest.mark.parametrize("sms, ns, route, ring_rows, combine_sms", [
+    (2, (3000, 1000), "random", None, 2),     # one sending block takes every chunk, one block receives
+    (2, (3000, 1000), "random", 400, 2),      # ... through rings reused ~8 times over
+    (48, (4096, 37), "random", None, 10),     # 32 blocks claim 256 chunks; the other rank's are mostly empty
+    (48, (2500, 900), "rank0", 30, 48),       # small rings, rank 1 receives nothing: ring waits across blocks
+])
+def test_dynamic_chunk_claims(dist_env, buffer, sms, ns, route, ring_rows, combine_sms):
+    """Sending blocks take chunks from a rank-wide counter (intranode_common.cuh send_chunks): every
+    chunk must go out exactly once, whichever block takes it, and the counter must be back at 0 for
+    the next kernel. Dispatch, combine, cached dispatch and combine run back to back (no host sync
+    between them), with different grids for dispatch and combine; a traced call then counts the
+    chunks the sending blocks took."""
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    if world == 1:
+        pytest.skip("needs 2 or more ranks")
+    experts = 64
+    buf = buffer if ring_rows is None else epcomm.Buffer(
+        dist_env.group, num_nvl_bytes=small_buffer_bytes(world, ring_rows, 8, experts, sms), explicitly_destroy=True)
+    try:
+        inputs = all_inputs(dist_env, n_by_rank(ns, world), seed=111 + sms, hidden=HIDDEN, num_experts=experts,
+                            num_topk=8, route=route)
+        new_inputs = [make_inputs(211 + sms, r, len(i.x), HIDDEN, experts, 8, world, route=route)
+                      for r, i in enumerate(inputs)]
+        xs, ws = combine_inputs(inputs, world, experts)
+        new_xs, _ = combine_inputs(inputs, world, experts, data=new_inputs)
+        got = run_dispatch(buf, inputs[rank], device, False, config=epcomm.Config(sms))
+        combined = buf.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device),
+                               config=epcomm.Config(combine_sms))
+        cached = buf.dispatch(dev(new_inputs[rank].x, device), handle=got[4], config=epcomm.Config(sms))
+        combined_again = buf.combine(dev(new_xs[rank], device), got[4], topk_weights=dev(ws[rank], device),
+                                     config=epcomm.Config(combine_sms))
+        layout = [i.layout[3] for i in inputs]
+        want_x, want_w = oracle.combine(xs, layout, rank, ws)
+        want_again, _ = oracle.combine(new_xs, layout, rank, ws)
+        errors = dispatch_errors(got, expected_dispatch(inputs, rank, experts, False), False)
+        errors += dispatch_errors(cached, expected_dispatch(inputs, rank, experts, False, data=new_inputs), False,
+                                  use_topk=False)
+        errors += [row_diff("combined_x", combined[0], want_x), row_diff("combined_topk_weights", combined[1], want_w),
+                   row_diff("combined_x (second combine)", combined_again[0], want_again)]
+
+        # Traced cached dispatch and combine: the chunks the sending blocks took add up to G exactly.
+        from epcomm.ops import intranode
+        chunks = plan.num_chunks(sms, world)
+        intranode.set_tracing(True)
+        try:
+            for what, call in (("dispatch", lambda: buf.dispatch(dev(inputs[rank].x, device), handle=got[4],
+                                                                  config=epcomm.Config(sms))),
+                               ("combine", lambda: buf.combine(dev(xs[rank], device), got[4],
+                                                                config=epcomm.Config(combine_sms)))):
+                call()
+                trace = intranode.last_trace(device.index)
+                taken = trace[:, 0, plan.TRACE_SLOTS.index("chunks")]
+                if int(taken.sum()) != chunks:
+                    errors.append(f"traced {what}: sending blocks took {int(taken.sum())} chunks "
+                                  f"({taken.tolist()}), want G = {chunks}")
+        finally:
+            intranode.set_tracing(False)
+        check(dist_env, errors, f"dynamic claims sms={sms} ns={ns} ring_rows={ring_rows}")
+    finally:
+        if buf is not buffer:
+            torch.cuda.synchronize()
+            dist_env.barrier()
+            buf.destroy()
 
 
 def test_chunk_larger_than_ring_raises_before_launch(dist_env):

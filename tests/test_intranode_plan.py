@@ -59,7 +59,8 @@ def test_header_and_constants_mirror_cpp():
                      f"\"header bytes R={ranks}\");")
     for name, value in (("kThreads", plan.THREADS), ("kNotifyThreads", plan.NOTIFY_THREADS),
                         ("kMaxChunks", plan.MAX_CHUNKS), ("kParts", plan.PARTS_PER_CHUNK),
-                        ("kPhaseConfigMismatch", len(plan.PHASES) - 1)):
+                        ("kPhaseConfigMismatch", len(plan.PHASES) - 1),
+                        ("kTraceSlots", len(plan.TRACE_SLOTS)), ("kTraceWarps", plan.TRACE_WARPS)):
         lines.append(f"static_assert(epcomm::intranode::{name} == {value}, \"{name}\");")
     target = options.Target.make(90, 90)
     try:
@@ -177,3 +178,85 @@ def test_ring_rule_never_overwrites_unconsumed_rows(seed):
         for x in range(g):
             if {k % ring for k in range(prefix[x], prefix[x + 1])} & slots:
                 assert x in required, (g, x, prefix, ring)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dynamic_claims_with_reused_rings_always_progress(seed):
+    """A model of the data kernels on 2 ranks, scheduled at random: sending blocks take chunks from
+    the rank's counter in increasing order (send_chunks), wait for ring space by wait_ring_space's
+    rule, then signal the chunk; receiving warps take (chunk, part) in chunk order (one claim each),
+    wait for the chunk, and the chunk's last part frees it (consumed); a sending block's warps
+    receive once its rank has no chunk left. Whatever the order, every chunk is sent once and
+    consumed once, and there is always a step to take until all are: no deadlock."""
+    rnd = random.Random(seed)
+    chunks = rnd.randint(1, 40)
+    send_blocks, recv_blocks, warps = rnd.randint(1, 4), rnd.randint(1, 3), rnd.randint(1, 3)
+    rows = [[rnd.choice((0, 1, 2, 5, 9)) for _ in range(chunks)] for _ in range(2)]   # rows[src][g]
+    prefix = [[0] for _ in range(2)]
+    for src in range(2):
+        for r in rows[src]:
+            prefix[src].append(prefix[src][-1] + r)
+    ring = max(max(r) for r in rows) + rnd.randint(0, 6) or 1
+    parts = plan.PARTS_PER_CHUNK
+
+    send_counter, recv_counter = [0, 0], [0, 0]
+    ready = [[False] * chunks for _ in range(2)]       # ready[src][g]: src's chunk g landed at the peer
+    consumed = [[False] * chunks for _ in range(2)]    # consumed[src][g]: the peer freed src's chunk g
+    parts_done = [[0] * chunks for _ in range(2)]
+    sent = [[0] * chunks for _ in range(2)]
+    # senders: [rank, chunk or None, cursor]; receivers: [rank, claimed (chunk, part) or None]
+    senders = [[r, None, 0] for r in range(2) for _ in range(send_blocks)]
+    receivers = [[r, None] for r in range(2) for _ in range(recv_blocks * warps)]
+
+    def sender_step(s):
+        rank, g, cursor = s
+        if g is None:                                  # claim_chunk
+            g = send_counter[rank]
+            send_counter[rank] += 1
+            if g >= chunks:                            # no chunk left: the block's warps receive
+                senders.remove(s)
+                receivers.extend([rank, None] for _ in range(warps))
+            else:
+                s[1] = g
+            return True
+        pre = prefix[rank]
+        while cursor < g and pre[cursor] < pre[g + 1] - ring:   # wait_ring_space
+            if not consumed[rank][cursor]:
+                s[2] = cursor
+                return False
+            cursor += 1
+        s[2] = cursor
+        sent[rank][g] += 1                             # stores, then chunk_done
+        ready[rank][g] = True
+        s[1] = None
+        return True
+
+    def receiver_step(w):
+        rank, claimed = w
+        src = 1 - rank
+        if claimed is None:
+            c = recv_counter[rank]
+            recv_counter[rank] += 1
+            if c >= chunks * parts:
+                receivers.remove(w)
+            else:
+                w[1] = divmod(c, parts)
+            return True
+        g, _ = claimed
+        if not ready[src][g]:
+            return False
+        parts_done[src][g] += 1
+        if parts_done[src][g] == parts:
+            consumed[src][g] = True
+        w[1] = None
+        return True
+
+    steps = 0
+    while senders or receivers:
+        actors = [(sender_step, s) for s in senders] + [(receiver_step, w) for w in receivers]
+        rnd.shuffle(actors)
+        assert any(step(a) for step, a in actors), (
+            f"deadlock: senders {senders}, receivers {receivers}, consumed {consumed}")
+        steps += 1
+        assert steps < 100_000
+    assert sent == [[1] * chunks, [1] * chunks] and consumed == [[True] * chunks, [True] * chunks]

@@ -50,7 +50,7 @@ def _align(n: int, to: int) -> int:
 # TraceSlot, u64 each; stamps are %globaltimer ns, the *_ns / claims slots are sums.
 TRACE_WARPS = 32
 TRACE_SLOTS = ["start", "idle", "sent", "first_data", "received", "wait_ns", "signal_ns", "claims",
-               "end", "published"]
+               "end", "published", "chunks"]
 
 # ---- Params mirrors (static_assert'ed in intranode.cu and by tests/test_intranode_plan.py) ----
 _P, _I, _LL, _ULL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_ulonglong
