@@ -179,7 +179,8 @@ __device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, co
         }
     }
 
-    // Token lists, one expert per warp, the warps without messages first.
+    // Token lists, one expert per warp, the warps without messages first. Each warp then ends the
+    // send part on its own (finish_send) and, in a fused launch, starts receiving.
     const int total = kWarps * gridDim.x;
     for (int e = (kWarps - 1 - warp) * gridDim.x + blockIdx.x; e < kExperts; e += total) {
         const int dst = e / kLocalExperts;
@@ -306,14 +307,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
         const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
         dispatch_send<kHidden, kTopK, kRanks, kExperts, kMaxTokens, kFP8, kRoundScale, TopkT, kThreads>(p, s, ctx, epoch, smem);
-        finish_part(s, p.tickets, p.epochs, epoch, p.acks, p.mask, p.heap, p.rank, false);
+        finish_send<kRanks, kThreads / 32>(s, p.tickets, p.epochs, epoch);   // per warp: see dispatch_send's end
     } else {
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     }
     if (p.phases & kRecv) {
         const unsigned long long epoch = ld_volatile(p.epochs + 1) + 1;
         dispatch_recv<kHidden, kRanks, kExperts, kMaxTokens, kFP8, kUE8M0, kThreads>(p, s, ctx, epoch);
-        finish_part(s, p.tickets + 1, p.epochs + 1, epoch, p.acks, p.mask, p.heap, p.rank, true);
+        finish_recv(s, ctx, p.tickets + 1, p.epochs + 1, epoch, nullptr, 0, p.acks, p.mask, p.heap, p.rank);
     }
 }
 
@@ -499,14 +500,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
         combine_prefetch<kHidden, kRanks, kExperts, kMaxTokens, kThreads>(p, s);
         wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);
         if (!s.abort) combine_send<kHidden, kRanks, kExperts, kMaxTokens, kThreads>(p, s, epoch);
-        finish_part(s, p.tickets, p.epochs, epoch, p.acks, p.mask, p.heap, p.rank, false);
+        finish_send<kRanks, kThreads / 32>(s, p.tickets, p.epochs, epoch);
     } else {
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     }
     if (p.phases & kRecv) {
         const unsigned long long epoch = ld_volatile(p.epochs + 1) + 1;
         combine_recv<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, experts, weights);
-        finish_part(s, p.tickets + 1, p.epochs + 1, epoch, p.acks, p.mask, p.heap, p.rank, true);
+        finish_recv(s, ctx, p.tickets + 1, p.epochs + 1, epoch, nullptr, 0, p.acks, p.mask, p.heap, p.rank);
     }
 }
 
