@@ -196,8 +196,12 @@ def _run(ctx: BenchContext, setting: dict, largest: dict) -> List[Record]:
                  remote_token_sends=remote_tokens, fp8_dispatch=True)
     is_target = setting == TARGET
     sms = ctx.num_device_sms
-    nbytes = {"dispatch": (low_latency_dispatch_bytes(messages, H), low_latency_dispatch_bytes(remote, H)),
-              "combine": (low_latency_combine_bytes(messages, H), low_latency_combine_bytes(remote, H))}
+    # Over NVLink (what the kernels move, not targets.md's logical count): dispatch one message per
+    # (token, other rank); combine one fp32 partial sum per (token, other rank) plus the top-k
+    # records (K ids + K weights for each of the T token slots) to every other rank.
+    combine_nvlink = remote_tokens * 4 * H + (ctx.world_size - 1) * s.T * 8 * K
+    nbytes = {"dispatch": (low_latency_dispatch_bytes(messages, H), low_latency_dispatch_bytes(remote_tokens, H)),
+              "combine": (low_latency_combine_bytes(messages, H), combine_nvlink)}
     calls = {"dispatch": lambda: s.dispatch(), "combine": lambda: s.combine(expert_x, handle)}
     records = []
 
@@ -215,8 +219,7 @@ def _run(ctx: BenchContext, setting: dict, largest: dict) -> List[Record]:
             durations, late = _queued_kernels(ctx, fn, f"{op}_kernel", ctx.iters + 1)
             stats = _after_first(durations)
             record(op, "kernel time", stats["mean_us"], target=True,
-                   extra=dict(stats, host_was_late=late, dispatch_nvlink_bytes=(
-                       low_latency_dispatch_bytes(remote_tokens, H) if op == "dispatch" else None)))
+                   extra=dict(stats, host_was_late=late, nvlink_bytes=nbytes[op][1]))
         timing = ctx.time_stats(fn)
         record(op, "whole call", timing.mean_us, extra=timing.summary())
 

@@ -30,9 +30,19 @@
 // first row), then for each listed token's message tag, and copies the message (payload and scales
 // in one batch of loads) into the packed output.
 //
-// Combine. Send part: every valid row of every (local expert, source) pair goes back to the
-// source's slot [global expert][token]. Receive part: one block per token waits for the rows of its
-// top-k experts and sums w_k * row in fp32, k ascending, exactly as epcomm.reference.oracle does.
+// Combine. A token's rows on one expert rank are summed THERE, so one fp32 partial sum per (token,
+// expert rank) crosses the link instead of one bf16 row per (token, expert): with K=8 of 288 experts
+// on 2 ranks ~4 rows per token and rank, so half the bytes (fp32 keeps the oracle's fp32
+// accumulation; only the order of the additions changes, and the oracle describes the new order).
+// Send part, source side: every live rank gets this rank's top-k record (K expert ids, K weights)
+// of every token slot t < T. Expert side: before the release wait, the row map of each (local
+// expert, source) pair is built from the handle (row_map[source][expert][token] = packed row, -1 =
+// none; then a per-pair flag); then for each (source, token) whose record names one of this rank's
+// experts, one block waits for the record and sums w_k * row_k in fp32, k ascending over the
+// local experts, into the source's slot [expert rank][token]. Receive part: one block per token
+// waits for the partial sum of each rank holding one of its experts and adds them in fp32, ranks
+// ascending, then rounds to bf16, exactly as epcomm.reference.oracle.ll_combine_rows. An ack now
+// also covers the send part's reads of the records (finish_recv waits for its end).
 //
 // Fault tolerance. Waits go through WaitContext. With enable_shrink a peer that times out is masked
 // (mask[peer] = 1) and treated as sending nothing; without it the wait records a PeerTimeout and the
@@ -91,9 +101,14 @@ struct CombineParams {
     unsigned long long *epochs;
     unsigned int *tickets;
     int *mask;
-    unsigned long long *row_tags;      // [E][T]
-    char *rows;                        // [E][T][H] bf16
-    char *row_stage;                   // [E_l][R*T][H] bf16: the zero-copy buffer, source of puts
+    unsigned long long *record_tags;   // [R][T]: one per (source rank, token)
+    unsigned long long *partial_tags;  // [R][T]: one per (expert rank, token)
+    unsigned long long *map_flags;     // [E_l][R]: the row map of (local expert, source) is built
+    char *records;                     // [R][T][kRecordBytes], by source rank
+    char *partials;                    // [R][T][H] f32, by expert rank
+    char *record_stage;                // [T][kRecordBytes], source of puts
+    char *partial_stage;               // [R][T][H] f32, by source rank, source of puts
+    int *row_map;                      // [R][E_l][T]: packed row of (source, local expert, token), -1 = none
     ErrorRecord *err;
     unsigned long long timeout_ns;
     int num_tokens;
@@ -103,7 +118,11 @@ struct CombineParams {
     int enable_shrink;
     int op;
 };
-static_assert(sizeof(CombineParams) == 168, "mirrored by epcomm.ops.low_latency.CombineParams");
+static_assert(sizeof(CombineParams) == 208, "mirrored by epcomm.ops.low_latency.CombineParams");
+// A combine top-k record: K expert ids (i32), then K weights (f32); sized for MAX_TOPK = 32.
+constexpr int kRecordBytes = 256;
+// epcomm.ops.low_latency.COMBINE_PHASES
+enum CombinePhase { kPhaseRelease, kPhaseRecord, kPhaseRowMap, kPhasePartial, kPhaseSendEnd };
 
 // ==== dispatch ===================================================================================
 // The send part. A token goes once to each rank that holds one of its experts (not once per
@@ -179,7 +198,8 @@ __device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, co
         }
     }
 
-    // Token lists, one expert per warp, the warps without messages first.
+    // Token lists, one expert per warp, the warps without messages first. Each warp then ends the
+    // send part on its own (finish_send) and, in a fused launch, starts receiving.
     const int total = kWarps * gridDim.x;
     for (int e = (kWarps - 1 - warp) * gridDim.x + blockIdx.x; e < kExperts; e += total) {
         const int dst = e / kLocalExperts;
@@ -306,166 +326,327 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
         const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
         dispatch_send<kHidden, kTopK, kRanks, kExperts, kMaxTokens, kFP8, kRoundScale, TopkT, kThreads>(p, s, ctx, epoch, smem);
-        finish_part(s, p.tickets, p.epochs, epoch, p.acks, p.mask, p.heap, p.rank, false);
+        finish_send<kRanks, kThreads / 32>(s, p.tickets, p.epochs, epoch);   // per warp: see dispatch_send's end
     } else {
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     }
     if (p.phases & kRecv) {
         const unsigned long long epoch = ld_volatile(p.epochs + 1) + 1;
         dispatch_recv<kHidden, kRanks, kExperts, kMaxTokens, kFP8, kUE8M0, kThreads>(p, s, ctx, epoch);
-        finish_part(s, p.tickets + 1, p.epochs + 1, epoch, p.acks, p.mask, p.heap, p.rank, true);
+        finish_recv(s, ctx, p.tickets + 1, p.epochs + 1, epoch, nullptr, 0, p.acks, p.mask, p.heap, p.rank);
     }
 }
 
 // ==== combine ====================================================================================
-// The first row each warp will send is pulled into L2 before the release wait, so that round trip
-// overlaps the row's first loads from HBM (no remote access here).
+// Expert side, before the release wait (local memory only): the row map of each (local expert,
+// source) pair this warp owns, then the pair's flag. A token listed twice in a pair (an expert
+// named in two top-k slots) maps to its last row, as in the oracle. The mapped rows are pulled into
+// L2 on the way, so the partial sums read them from L2 once the records arrive.
 template <int kHidden, int kRanks, int kExperts, int kMaxTokens, int kThreads>
-__device__ void combine_prefetch(const CombineParams &p, const BlockState<kRanks> &s) {
-    constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens, kWarps = kThreads / 32;
-    constexpr int kRowBytes = kHidden * 2, kLines = (kRowBytes + 127) / 128;
-    const PairSplit split(blockIdx.x * kWarps + warp_id(), gridDim.x * kWarps, kLocalExperts * kRanks);
-    if (split.p0 >= kLocalExperts * kRanks || s.masked[split.p0 % kRanks]) return;
-    const long long range = __ldg(p.layout_range + split.p0);
-    const long long begin = range >> 32, count = range & 0xffffffffll;
-    if (begin < 0 || begin + count > kSlots || split.j0 >= count) return;
-    const char *row = static_cast<const char *>(p.x) + ((split.p0 / kRanks) * static_cast<long long>(kSlots) + begin + split.j0) * kRowBytes;
-    for (int l = lane_id(); l < kLines; l += 32) prefetch_l2(row + 128 * l);
-}
-
-// The row of pair position `i` (relative to the pair's begin) to send, or -1: a token listed twice
-// (an expert named in two top-k slots) gets its last row, as in the oracle; the earlier copy would
-// race for the same slot.
-template <int kMaxTokens>
-__device__ __forceinline__ int combine_token(const int *src_info, long long row, long long i, long long count) {
-    const int t = __ldg(src_info + row);
-    if (t < 0 || t >= kMaxTokens) return -1;
-    if (i + 1 < count && __ldg(src_info + row + 1) == t) return -1;
-    return t;
-}
-
-template <int kHidden, int kRanks, int kExperts, int kMaxTokens, int kThreads>
-__device__ void combine_send(const CombineParams &p, const BlockState<kRanks> &s, unsigned long long epoch) {
-    constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens, kWarps = kThreads / 32;
-    constexpr int kRowBytes = kHidden * 2;
-    const int warp = warp_id(), lane = lane_id();
-    const bool zero_copy = p.x == p.row_stage;
-    const PairSplit split(blockIdx.x * kWarps + warp, gridDim.x * kWarps, kLocalExperts * kRanks);
-    for (int pair = split.p0; pair < kLocalExperts * kRanks; pair += split.step) {
-        const int el = pair / kRanks, dst = pair % kRanks;
-        if (s.masked[dst]) continue;
+__device__ void combine_build_map(const CombineParams &p, unsigned long long epoch) {
+    constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens, kPairs = kLocalExperts * kRanks;
+    constexpr int kRowBytes = kHidden * 2, kLines = (kRowBytes + 127) / 128, kWarps = kThreads / 32;
+    const int lane = lane_id();
+    for (int pair = blockIdx.x * kWarps + warp_id(); pair < kPairs; pair += gridDim.x * kWarps) {
+        const int el = pair / kRanks, src = pair % kRanks;
+        int *map = p.row_map + (static_cast<long long>(src) * kLocalExperts + el) * kMaxTokens;
+        for (int t = lane; t < kMaxTokens; t += 32) map[t] = -1;
+        __syncwarp();   // the -1s before other lanes' rows for the same tokens
         const long long range = __ldg(p.layout_range + pair);
         const long long begin = range >> 32, count = range & 0xffffffffll;
-        if (begin < 0 || begin + count > kSlots) continue;   // not a handle of this shape
-        const long long expert = static_cast<long long>(p.rank) * kLocalExperts + el;
-        const long long first_row = el * static_cast<long long>(kSlots) + begin;
-        if (dst == p.rank || s.peer_base[dst] != 0) {
-            // Stores: every row of this warp in the pair first (16 loads per lane in flight: a 14 KB
-            // row in two rounds), then ONE fence and all their tags, one lane each, so a warp with
-            // several rows does not wait a full NVLink drain per row before starting the next.
-            for (long long i = split.j0; i < count; i += split.stride) {
-                const int t = combine_token<kMaxTokens>(p.src_info, first_row + i, i, count);
-                if (t < 0) continue;
-                const int4 *src_row = reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + (first_row + i) * kRowBytes);
-                char *local_slot = p.rows + (expert * kMaxTokens + t) * kRowBytes;
-                warp_copy<16>(reinterpret_cast<int4 *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_slot)), kRowBytes / 16,
-                              lane, [&](int u) { return ld_nc_v4(src_row + u); });
-            }
-            __syncwarp();
-            fence_acq_rel_sys();   // the rows above before any of their tags
-            for (long long i = split.j0 + static_cast<long long>(lane) * split.stride; i < count; i += 32ll * split.stride) {
-                const int t = combine_token<kMaxTokens>(p.src_info, first_row + i, i, count);
-                if (t >= 0)
-                    st_relaxed_sys(reinterpret_cast<unsigned long long *>(
-                                       on_peer(p.heap, s.peer_base, p.rank, dst, p.row_tags + expert * kMaxTokens + t)), epoch);
-            }
-        } else {
-            for (long long i = split.j0; i < count; i += split.stride) {
-                const int t = combine_token<kMaxTokens>(p.src_info, first_row + i, i, count);
-                if (t < 0) continue;
-                const char *src_row = static_cast<const char *>(p.x) + (first_row + i) * kRowBytes;
-                const char *source = src_row;
-                if (!zero_copy) {   // puts read from the symmetric heap (registered for every transport)
-                    char *stage = p.row_stage + (first_row + i) * kRowBytes;
-                    warp_copy(reinterpret_cast<int4 *>(stage), kRowBytes / 16, lane,
-                              [&](int u) { return ld_nc_v4(reinterpret_cast<const int4 *>(src_row) + u); });
-                    source = stage;
-                }
-                __threadfence_system();
-                nvshmemx_putmem_signal_nbi_warp(p.rows + (expert * kMaxTokens + t) * kRowBytes, source, kRowBytes,
-                                                reinterpret_cast<uint64_t *>(p.row_tags + expert * kMaxTokens + t),
-                                                epoch, NVSHMEM_SIGNAL_SET, dst);
+        if (begin >= 0 && begin + count <= kSlots) {   // otherwise not a handle of this shape: no rows
+            const int *info = p.src_info + static_cast<long long>(el) * kSlots + begin;
+            for (long long i = lane; i < count; i += 32) {
+                const int t = __ldg(info + i);
+                if (t < 0 || t >= kMaxTokens || (i + 1 < count && __ldg(info + i + 1) == t)) continue;
+                map[t] = static_cast<int>(begin + i);
+                const char *row = static_cast<const char *>(p.x) + (static_cast<long long>(el) * kSlots + begin + i) * kRowBytes;
+                for (int l = 0; l < kLines; ++l) prefetch_l2(row + 128 * l);
             }
         }
+        __syncwarp();   // every lane's entries before the flag
+        if (lane == 0) st_release_gpu(p.map_flags + pair, epoch);
     }
 }
 
+// Source side: every live rank gets this rank's top-k record of every token slot t < T (slots
+// t >= N name no expert), so each expert rank knows exactly which partial sums to make, with the
+// combine-time weights, whatever the routing was. Direct ranks: stores, one fence per warp, then
+// the tags; other ranks: a put with signal from the record stage. Tokens go to the last warps of
+// every block first: warp 0 leads the block's partial sums and starts waiting for records at once.
+template <int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT, int kThreads>
+__device__ void combine_send_records(const CombineParams &p, const BlockState<kRanks> &s, unsigned long long epoch) {
+    constexpr int kWarps = kThreads / 32;
+    const int lane = lane_id(), first = (kWarps - 1 - warp_id()) * gridDim.x + blockIdx.x, step = gridDim.x * kWarps;
+    bool direct_sent = false;   // warp-uniform
+    for (int t = first; t < kMaxTokens; t += step) {
+        int e = -1;
+        float w = 0.0f;
+        if (lane < kTopK && t < p.num_tokens) {
+            e = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + lane);
+            w = __ldg(p.topk_weights + static_cast<long long>(t) * kTopK + lane);
+        }
+        const long long slot = static_cast<long long>(p.rank) * kMaxTokens + t;
+        char *local_record = p.records + slot * kRecordBytes;
+        char *stage = nullptr;
+        for (int dst = 0; dst < kRanks; ++dst) {
+            if (s.masked[dst]) continue;
+            if (dst == p.rank || s.peer_base[dst] != 0) {
+                char *record = on_peer(p.heap, s.peer_base, p.rank, dst, local_record);
+                if (lane < kTopK) {
+                    reinterpret_cast<int *>(record)[lane] = e;
+                    reinterpret_cast<float *>(record)[kTopK + lane] = w;
+                }
+                direct_sent = true;
+                continue;
+            }
+            if (stage == nullptr) {   // puts read the symmetric heap: the record once into the stage
+                stage = p.record_stage + static_cast<long long>(t) * kRecordBytes;
+                if (lane < kTopK) {
+                    reinterpret_cast<int *>(stage)[lane] = e;
+                    reinterpret_cast<float *>(stage)[kTopK + lane] = w;
+                }
+                __syncwarp();
+                __threadfence_system();   // the stage before the transport reads it
+            }
+            nvshmemx_putmem_signal_nbi_warp(local_record, stage, 8 * kTopK, reinterpret_cast<uint64_t *>(p.record_tags + slot),
+                                            epoch, NVSHMEM_SIGNAL_SET, dst);
+        }
+    }
+    if (!direct_sent) return;
+    __syncwarp();
+    fence_acq_rel_sys();   // (every lane) the records above before any of their tags
+    for (int t = first; t < kMaxTokens; t += step)
+        for (int dst = lane; dst < kRanks; dst += 32)
+            if (!s.masked[dst] && (dst == p.rank || s.peer_base[dst] != 0))
+                st_relaxed_sys(reinterpret_cast<unsigned long long *>(on_peer(
+                                   p.heap, s.peer_base, p.rank, dst, p.record_tags + static_cast<long long>(p.rank) * kMaxTokens + t)),
+                               epoch);
+}
+
+// What one block knows about the (source, token) item it works on, and its items whose tags are
+// not sent yet.
+template <int kTopK> struct CombineItem {
+    long long row[kTopK];   // slot k's row in x (local expert * R*T + packed row), -1 = not here / none
+    float weight[kTopK];
+    int state;
+    int pending[32];
+};
+enum ItemState { kItemSkip, kItemSend, kItemFailed };
+
+// Expert side: for each (source, token) item, remote sources first, one block waits for the
+// source's record, looks up the rows of the local experts it names (row map) and stores the partial
+// sum sum_k w_k * row_k (fp32, k ascending) into the source's slot [this rank][token] (a direct
+// store, or the stage of a put). Every 32 items and at the end: one fence, then all their tags.
+// An item whose record names no local expert sends nothing: the source does not wait for it.
+template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, int kThreads>
+__device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks> &s, const WaitContext &ctx,
+                                      unsigned long long epoch, CombineItem<kTopK> &item) {
+    constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens;
+    // Each thread sums kPerThread chunks of 8 channels (kThreads apart), kBatch top-k rows per
+    // step: 16 row loads in flight per thread.
+    constexpr int kRowBytes = kHidden * 2, kChunks = kHidden / 8, kBatch = 8, kPerThread = 2;
+    constexpr long long kPartialBytes = 4ll * kHidden;
+    constexpr unsigned kAll = 0xffffffffu;
+    const int warp = warp_id(), lane = lane_id();
+    const bool shrink = p.enable_shrink != 0;
+    auto source_of = [&](int i) { return (p.rank + 1 + i / kMaxTokens) % kRanks; };   // own tokens last
+    auto direct = [&](int src) { return src == p.rank || s.peer_base[src] != 0; };
+    int pending = 0;   // block-uniform
+    auto flush = [&] {   // after a block barrier
+        if (warp == 0 && pending > 0) {
+            fence_acq_rel_sys();   // (every lane) the block's stores, ordered before this by the barrier, before tags / puts
+            if (lane < pending) {
+                const int i = item.pending[lane], src = source_of(i);
+                if (direct(src))
+                    st_relaxed_sys(reinterpret_cast<unsigned long long *>(on_peer(
+                                       p.heap, s.peer_base, p.rank, src,
+                                       p.partial_tags + static_cast<long long>(p.rank) * kMaxTokens + i % kMaxTokens)),
+                                   epoch);
+            }
+            for (int j = 0; j < pending; ++j) {
+                const int i = item.pending[j], src = source_of(i), t = i % kMaxTokens;
+                if (direct(src)) continue;
+                const long long slot = static_cast<long long>(p.rank) * kMaxTokens + t;
+                nvshmemx_putmem_signal_nbi_warp(p.partials + slot * kPartialBytes,
+                                                p.partial_stage + (static_cast<long long>(src) * kMaxTokens + t) * kPartialBytes,
+                                                kPartialBytes, reinterpret_cast<uint64_t *>(p.partial_tags + slot), epoch,
+                                                NVSHMEM_SIGNAL_SET, src);
+            }
+            __syncwarp();
+        }
+        pending = 0;
+    };
+    for (int i = blockIdx.x; i < kRanks * kMaxTokens; i += gridDim.x) {
+        const int src = source_of(i), t = i % kMaxTokens;
+        if (s.masked[src]) continue;
+        if (warp == 0) {
+            int w = kReady;
+            if (lane == 0)
+                w = wait_tag(ctx, p.record_tags + static_cast<long long>(src) * kMaxTokens + t, epoch, p.mask, shrink, src,
+                             kPhaseRecord);
+            w = __shfl_sync(kAll, w, 0);
+            __syncwarp();   // lane 0's acquire before every lane reads the record
+            long long row = -1;
+            float weight = 0.0f;
+            bool local = false, failed = w == kFailed;
+            if (w == kReady && lane < kTopK) {
+                const char *record = p.records + (static_cast<long long>(src) * kMaxTokens + t) * kRecordBytes;
+                const int e = ld_cg(reinterpret_cast<const int *>(record) + lane);
+                weight = ld_cg(reinterpret_cast<const float *>(record) + kTopK + lane);
+                local = e >= 0 && e < kExperts && e / kLocalExperts == p.rank;
+                if (local) {
+                    const int el = e % kLocalExperts;
+                    const unsigned long long *flag = p.map_flags + el * kRanks + src;
+                    if (ctx.wait(p.rank, kPhaseRowMap, [&] { return ld_acquire_sys(flag) == epoch; })) {
+                        const int r = ld_cg(p.row_map + (static_cast<long long>(src) * kLocalExperts + el) * kMaxTokens + t);
+                        if (r >= 0) row = static_cast<long long>(el) * kSlots + r;
+                    } else {
+                        failed = true;
+                    }
+                }
+            }
+            if (lane < kTopK) {
+                item.row[lane] = row;
+                item.weight[lane] = weight;
+            }
+            failed = __any_sync(kAll, failed);
+            local = __any_sync(kAll, local);
+            if (lane == 0) item.state = failed ? kItemFailed : local ? kItemSend : kItemSkip;
+        }
+        __syncthreads();
+        const int state = item.state;
+        if (state == kItemFailed) break;   // block-uniform; the failure is recorded, the kernel winds down
+        if (state == kItemSend) {
+            const long long slot = static_cast<long long>(p.rank) * kMaxTokens + t;
+            char *dst = direct(src) ? on_peer(p.heap, s.peer_base, p.rank, src, p.partials + slot * kPartialBytes)
+                                    : p.partial_stage + (static_cast<long long>(src) * kMaxTokens + t) * kPartialBytes;
+            for (int c0 = threadIdx.x; c0 < kChunks; c0 += kPerThread * kThreads) {
+                float acc[kPerThread][8];
+#pragma unroll
+                for (int q = 0; q < kPerThread; ++q)
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[q][j] = 0.0f;
+#pragma unroll
+                for (int k0 = 0; k0 < kTopK; k0 += kBatch) {
+                    int4 v[kPerThread][kBatch];
+#pragma unroll
+                    for (int q = 0; q < kPerThread; ++q) {
+                        const int c = c0 + q * kThreads;
+#pragma unroll
+                        for (int b = 0; b < kBatch; ++b) {
+                            const int k = k0 + b;
+                            v[q][b] = make_int4(0, 0, 0, 0);
+                            if (c < kChunks && k < kTopK && item.row[k] >= 0)
+                                v[q][b] = ld_nc_v4(reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + item.row[k] * kRowBytes) + c);
+                        }
+                    }
+#pragma unroll
+                    for (int q = 0; q < kPerThread; ++q) {
+#pragma unroll
+                        for (int b = 0; b < kBatch; ++b) {
+                            const int k = k0 + b;
+                            if (k >= kTopK) break;
+                            const bool used = item.row[k] >= 0;
+                            const float wk = item.weight[k];
+                            const uint32_t u[4] = {(uint32_t)v[q][b].x, (uint32_t)v[q][b].y, (uint32_t)v[q][b].z, (uint32_t)v[q][b].w};
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) {   // slots without a row here add +0, as the oracle's where(...)
+                                acc[q][2 * j] = __fadd_rn(acc[q][2 * j], used ? __fmul_rn(bf16_lo(u[j]), wk) : 0.0f);
+                                acc[q][2 * j + 1] = __fadd_rn(acc[q][2 * j + 1], used ? __fmul_rn(bf16_hi(u[j]), wk) : 0.0f);
+                            }
+                        }
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < kPerThread; ++q) {
+                    const int c = c0 + q * kThreads;
+                    if (c >= kChunks) break;
+                    int4 *out = reinterpret_cast<int4 *>(dst + 32ll * c);
+                    st_cg_v4(out, make_int4(__float_as_int(acc[q][0]), __float_as_int(acc[q][1]), __float_as_int(acc[q][2]),
+                                            __float_as_int(acc[q][3])));
+                    st_cg_v4(out + 1, make_int4(__float_as_int(acc[q][4]), __float_as_int(acc[q][5]), __float_as_int(acc[q][6]),
+                                                __float_as_int(acc[q][7])));
+                }
+            }
+            if (threadIdx.x == 0) item.pending[pending] = i;
+            ++pending;
+        }
+        __syncthreads();   // the item table is rewritten next; the pending list before a flush
+        if (pending == 32) flush();
+    }
+    flush();
+}
+
+// Source side: one block per token; in each warp the first lane naming each live expert rank waits
+// for that rank's partial sum, the ranks are put in ascending order, and the sums are added in
+// fp32 in that order, then rounded to bf16.
 template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT, int kThreads>
 __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s, const WaitContext &ctx,
-                             unsigned long long epoch, int (*experts)[kTopK], float (*weights)[kTopK]) {
+                             unsigned long long epoch, int (*ranks)[32]) {
     constexpr int kLocalExperts = kExperts / kRanks;
-    // Each thread sums kPerThread chunks (kThreads apart) at once, kBatch top-k rows per step:
-    // 16 row loads in flight per thread.
-    constexpr int kRowBytes = kHidden * 2, kChunks = kHidden / 8, kBatch = 8, kPerThread = 2;
+    // Each thread sums kPerThread chunks of 8 channels (kThreads apart), kBatch ranks per step:
+    // 2 x 16-byte loads per partial and chunk, 16 loads in flight per thread.
+    constexpr int kRowBytes = kHidden * 2, kChunks = kHidden / 8, kBatch = 4, kPerThread = 2;
+    constexpr long long kPartialBytes = 4ll * kHidden;
     constexpr unsigned kAll = 0xffffffffu;
     const int warp = warp_id(), lane = lane_id();
     const bool shrink = p.enable_shrink != 0;
     for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
-        // Lane k waits for the row of top-k slot k (every warp of the block, independently).
-        int e = -1, w = kMasked;
-        float weight = 0.0f;
+        int dst = -1;   // lane k: the live rank holding top-k slot k's expert
         if (lane < kTopK) {
-            e = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + lane);
-            weight = __ldg(p.topk_weights + static_cast<long long>(t) * kTopK + lane);
-            if (e >= 0 && !s.masked[e / kLocalExperts]) {
-                const unsigned long long t0 = globaltimer_ns();
-                w = wait_tag(ctx, p.row_tags + static_cast<long long>(e) * kMaxTokens + t, epoch, p.mask, shrink,
-                             e / kLocalExperts, 1);
-                if (warp == 0 && w == kReady && p.wait_recv_cost_stats != nullptr)
-                    atomicAdd(reinterpret_cast<unsigned long long *>(p.wait_recv_cost_stats) + e / kLocalExperts,
-                              globaltimer_ns() - t0);
-            }
+            const int e = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + lane);
+            if (e >= 0 && !s.masked[e / kLocalExperts]) dst = e / kLocalExperts;
+        }
+        const bool first = dst >= 0 && lane == __ffs(__match_any_sync(kAll, dst)) - 1;
+        int w = kMasked;
+        if (first) {
+            const unsigned long long t0 = globaltimer_ns();
+            w = wait_tag(ctx, p.partial_tags + static_cast<long long>(dst) * kMaxTokens + t, epoch, p.mask, shrink, dst,
+                         kPhasePartial);
+            if (warp == 0 && w == kReady && p.wait_recv_cost_stats != nullptr)
+                atomicAdd(reinterpret_cast<unsigned long long *>(p.wait_recv_cost_stats) + dst, globaltimer_ns() - t0);
         }
         if (__any_sync(kAll, w == kFailed)) return;
-        const unsigned valid = __ballot_sync(kAll, lane < kTopK && w == kReady);
-        if (lane < kTopK) {
-            experts[warp][lane] = e;
-            weights[warp][lane] = weight;
+        const unsigned ready = __ballot_sync(kAll, first && w == kReady);
+        int position = 0;   // among the ready ranks, ascending
+        for (int j = 0; j < 32; ++j) {
+            const int other = __shfl_sync(kAll, dst, j);
+            position += ((ready >> j) & 1u) && other < dst;
         }
-        __syncwarp();   // the lanes' acquires and the shared table before the row loads
+        if ((ready >> lane) & 1u) ranks[warp][position] = dst;
+        const int count = __popc(ready);
+        __syncwarp();   // the lanes' acquires and the rank table before the partial loads
         for (int c0 = warp * 32 + lane; c0 < kChunks; c0 += kPerThread * kThreads) {
             float acc[kPerThread][8];
 #pragma unroll
             for (int q = 0; q < kPerThread; ++q)
 #pragma unroll
                 for (int j = 0; j < 8; ++j) acc[q][j] = 0.0f;
-#pragma unroll
-            for (int k0 = 0; k0 < kTopK; k0 += kBatch) {
-                int4 v[kPerThread][kBatch];
+            for (int j0 = 0; j0 < count; j0 += kBatch) {
+                int4 v[kPerThread][kBatch][2];
 #pragma unroll
                 for (int q = 0; q < kPerThread; ++q) {
                     const int c = c0 + q * kThreads;
 #pragma unroll
                     for (int b = 0; b < kBatch; ++b) {
-                        const int k = k0 + b;
-                        v[q][b] = make_int4(0, 0, 0, 0);
-                        if (c < kChunks && k < kTopK && ((valid >> k) & 1u))
-                            v[q][b] = ld_cg_v4(p.rows + (static_cast<long long>(experts[warp][k]) * kMaxTokens + t) * kRowBytes + 16 * c);
+                        v[q][b][0] = v[q][b][1] = make_int4(0, 0, 0, 0);
+                        if (c < kChunks && j0 + b < count) {
+                            const char *partial = p.partials + (static_cast<long long>(ranks[warp][j0 + b]) * kMaxTokens + t) * kPartialBytes + 32ll * c;
+                            v[q][b][0] = ld_cg_v4(partial);
+                            v[q][b][1] = ld_cg_v4(partial + 16);
+                        }
                     }
                 }
 #pragma unroll
                 for (int q = 0; q < kPerThread; ++q) {
 #pragma unroll
                     for (int b = 0; b < kBatch; ++b) {
-                        const int k = k0 + b;
-                        if (k >= kTopK) break;
-                        const bool used = (valid >> k) & 1u;
-                        const uint32_t u[4] = {(uint32_t)v[q][b].x, (uint32_t)v[q][b].y, (uint32_t)v[q][b].z, (uint32_t)v[q][b].w};
+                        if (j0 + b >= count) break;
+                        const int f[8] = {v[q][b][0].x, v[q][b][0].y, v[q][b][0].z, v[q][b][0].w,
+                                          v[q][b][1].x, v[q][b][1].y, v[q][b][1].z, v[q][b][1].w};
 #pragma unroll
-                        for (int j = 0; j < 4; ++j) {   // unused slots add +0, as the oracle's where(...)
-                            acc[q][2 * j] = __fadd_rn(acc[q][2 * j], used ? __fmul_rn(bf16_lo(u[j]), weights[warp][k]) : 0.0f);
-                            acc[q][2 * j + 1] = __fadd_rn(acc[q][2 * j + 1], used ? __fmul_rn(bf16_hi(u[j]), weights[warp][k]) : 0.0f);
-                        }
+                        for (int j = 0; j < 8; ++j) acc[q][j] = __fadd_rn(acc[q][j], __int_as_float(f[j]));
                     }
                 }
             }
@@ -481,32 +662,36 @@ __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s
                 reinterpret_cast<int4 *>(static_cast<char *>(p.out) + static_cast<long long>(t) * kRowBytes)[c] = packed;
             }
         }
-        __syncwarp();   // the shared table is rewritten for the next token
+        __syncwarp();   // the rank table is rewritten for the next token
     }
 }
 
 template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT, int kThreads>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineParams p) {
     static_assert(kExperts % kRanks == 0 && kThreads % 32 == 0 && kRanks <= kThreads, "shape");
-    static_assert(kHidden % 8 == 0 && kTopK >= 1 && kTopK <= 32, "hidden % 8 == 0, 1 <= top-k <= 32");
+    static_assert(kHidden % 8 == 0 && kTopK >= 1 && kTopK <= 32 && 8 * kTopK <= kRecordBytes,
+                  "hidden % 8 == 0, 1 <= top-k <= 32");
     __shared__ BlockState<kRanks> s;
-    __shared__ int experts[kThreads / 32][kTopK];
-    __shared__ float weights[kThreads / 32][kTopK];
+    __shared__ CombineItem<kTopK> item;
+    __shared__ int ranks[kThreads / 32][32];
     const WaitContext ctx = WaitContext::make(p.err, p.timeout_ns, p.op, p.rank);
     if (p.phases & kSend) {
         const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
-        combine_prefetch<kHidden, kRanks, kExperts, kMaxTokens, kThreads>(p, s);
+        combine_build_map<kHidden, kRanks, kExperts, kMaxTokens, kThreads>(p, epoch);
         wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);
-        if (!s.abort) combine_send<kHidden, kRanks, kExperts, kMaxTokens, kThreads>(p, s, epoch);
-        finish_part(s, p.tickets, p.epochs, epoch, p.acks, p.mask, p.heap, p.rank, false);
+        if (!s.abort) {
+            combine_send_records<kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, epoch);
+            combine_send_partials<kHidden, kTopK, kRanks, kExperts, kMaxTokens, kThreads>(p, s, ctx, epoch, item);
+        }
+        finish_send<kRanks, kThreads / 32>(s, p.tickets, p.epochs, epoch);
     } else {
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     }
     if (p.phases & kRecv) {
         const unsigned long long epoch = ld_volatile(p.epochs + 1) + 1;
-        combine_recv<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, experts, weights);
-        finish_part(s, p.tickets + 1, p.epochs + 1, epoch, p.acks, p.mask, p.heap, p.rank, true);
+        combine_recv<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, ranks);
+        finish_recv(s, ctx, p.tickets + 1, p.epochs + 1, epoch, p.epochs, kPhaseSendEnd, p.acks, p.mask, p.heap, p.rank);
     }
 }
 

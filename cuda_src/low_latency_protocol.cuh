@@ -123,11 +123,13 @@ __device__ __forceinline__ Wait wait_tag(const WaitContext &ctx, const unsigned 
     return kReady;
 }
 
-// Shared state of one block: peer bases and mask snapshot, epochs, and the abort flag.
+// Shared state of one block: peer bases and mask snapshot, the abort flag, and how many of its
+// warps finished the send part (finish_send).
 template <int kRanks> struct BlockState {
     long long peer_base[kRanks];
     int masked[kRanks];
     int abort;
+    int send_done;
 };
 
 template <int kRanks>
@@ -136,7 +138,7 @@ __device__ void load_block_state(BlockState<kRanks> &s, const long long *peer_ba
         s.peer_base[r] = use_nvlink ? peer_bases[r] : 0;
         s.masked[r] = *reinterpret_cast<const volatile int *>(mask + r);
     }
-    if (threadIdx.x == 0) s.abort = 0;
+    if (threadIdx.x == 0) s.abort = s.send_done = 0;
     __syncthreads();
 }
 
@@ -163,12 +165,35 @@ __device__ void wait_released(BlockState<kRanks> &s, const WaitContext &ctx, con
     __syncthreads();
 }
 
-// End of a launch part: the last block to finish stores the new epoch (and, after a receive, tells
-// every live peer that this set may be written again).
+// End of a launch's send part, warp by warp: no block barrier, so in a fused launch a warp with
+// nothing (left) to send starts receiving at once. The block's last warp to get here takes the
+// grid ticket for its block; the grid's last one resets the ticket and stores the new send count
+// (read by the next launch, or by finish_recv's wait below). Each warp's lane 0 fences before
+// counting itself, after a __syncwarp, so everything its warp wrote precedes the count; the last
+// warp fences again after reading it (acquire side) before the ticket.
+template <int kRanks, int kWarps>
+__device__ void finish_send(BlockState<kRanks> &s, unsigned int *ticket, unsigned long long *epoch,
+                            unsigned long long value) {
+    __syncwarp();
+    if (lane_id() != 0) return;
+    __threadfence();
+    if (atomicAdd(&s.send_done, 1) != kWarps - 1) return;
+    __threadfence();
+    if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
+    __threadfence();
+    *ticket = 0;
+    *epoch = value;
+}
+
+// End of a receive part: once every block stopped reading this set, the last one stores the new
+// receive count and tells every live peer that the set may be written again. With
+// `send_epoch` (combine, whose send part reads the top-k records the peers wrote into this set) the
+// acknowledgement also waits until this rank's send part of the call has ended: a hook's receive
+// launch on another stream may otherwise overtake it.
 template <int kRanks>
-__device__ void finish_part(const BlockState<kRanks> &s, unsigned int *ticket, unsigned long long *epoch,
-                            unsigned long long value, unsigned long long *acks, const int *mask, char *heap,
-                            int rank, bool is_recv) {
+__device__ void finish_recv(const BlockState<kRanks> &s, const WaitContext &ctx, unsigned int *ticket,
+                            unsigned long long *epoch, unsigned long long value, const unsigned long long *send_epoch,
+                            int send_phase, unsigned long long *acks, const int *mask, char *heap, int rank) {
     __syncthreads();
     if (threadIdx.x != 0) return;
     __threadfence();
@@ -176,7 +201,8 @@ __device__ void finish_part(const BlockState<kRanks> &s, unsigned int *ticket, u
     __threadfence();
     *ticket = 0;
     *epoch = value;
-    if (!is_recv) return;
+    if (send_epoch != nullptr && !ctx.wait(rank, send_phase, [&] { return ld_volatile(send_epoch) >= value; })) return;
+    __threadfence();
     for (int r = 0; r < kRanks; ++r) {
         if (s.masked[r] || *reinterpret_cast<const volatile int *>(mask + r)) continue;   // masked now or on a timeout
         if (r == rank || s.peer_base[r] != 0)

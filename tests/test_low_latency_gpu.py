@@ -54,6 +54,7 @@ CASES = [
     Case(64, 1032, 64, 16, (50, 64), fp8=False),     # BF16 H % 128 != 0
     Case(512, 2048, 64, 8, (512, 301)),              # several tokens per block
     Case(32, 256, 2, 1, (32, 17), masked=0.0),       # one expert per rank, top-1
+    Case(64, 1024, 64, 32, (64, 40)),                # K = MAX_TOPK: a full combine record
 ]
 SMALL = Case(64, 1024, 16, 4, (64, 40))
 
@@ -336,6 +337,34 @@ def test_shape_change_needs_clean(dist_env):
     dist_env.barrier()
 
 
+def test_combine_uses_its_own_weights_and_slots(dist_env):
+    """The expert ranks sum with each combine call's own top-k weights and slots (sent with the
+    call), never with an earlier call's: one dispatch, then three combines of its output (the
+    first and the third on the same buffer set) with new weights each, the third also with slots
+    dropped (-1) after the dispatch; each bit for bit against the oracle."""
+    case, rank, num_ranks, dev = FP8_TARGET, dist_env.rank, dist_env.world_size, dist_env.device
+    buf = _buffer(dist_env, shapes=[TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES])
+    buf.clean_low_latency_buffer(case.T, case.H, case.E)
+    inputs = _gather(_inputs(case, rank, 60))
+    x, topk_idx, _ = (t.to(dev) for t in inputs[rank])
+    (recv_x, scales), count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, case.T, case.E)
+    torch.cuda.synchronize()
+    problems, _ = _check_dispatch(case, rank, num_ranks, inputs, (recv_x, scales, count, handle, None))
+    x_c = _combine_input(case, rank, num_ranks, recv_x, scales, count)
+    gen = torch.Generator().manual_seed(61 + rank)
+    for i in range(3):
+        idx = inputs[rank][1]
+        weights = torch.rand(idx.shape, generator=gen) * 2 + 0.05
+        if i == 2:
+            idx = idx.masked_fill(torch.rand(idx.shape, generator=gen) < 0.3, -1)
+        combined, _, _ = buf.low_latency_combine(x_c, idx.to(dev), weights.to(dev), handle)
+        torch.cuda.synchronize()
+        now = list(inputs)
+        now[rank] = (inputs[rank][0], idx, weights)
+        problems += [f"combine {i}: {m}" for m in _check_combine(case, rank, now, x_c, handle, combined)]
+    _verdict(dist_env, problems, "combine-time weights and slots")
+
+
 def test_cuda_graph_replay(dist_env):
     """Capture dispatch + combine once; replay 100 times with new inputs copied in; check each."""
     case, rank, num_ranks, dev = SMALL, dist_env.rank, dist_env.world_size, dist_env.device
@@ -445,6 +474,37 @@ def test_shrink_masks_a_silent_peer(dist_env):
     buf.low_latency_clean_mask_buffer()
     problems += [f"after clean: {m}" for m in _run(dist_env, buf, case, seed=33)]
     _verdict(dist_env, problems, "shrink")
+
+
+def test_shrink_mask_between_dispatch_and_combine(dist_env):
+    """Masks set after a dispatch (each rank masks the other): the combine adds no partial sum of
+    the masked rank and nobody waits for one (well under the 2 s timeout), bit for bit."""
+    if dist_env.world_size != 2:
+        pytest.skip("written for 2 ranks")
+    case, rank, num_ranks, dev = SHRINK_CASE, dist_env.rank, dist_env.world_size, dist_env.device
+    buf = _buffer(dist_env, shapes=[dict(T=case.T, H=case.H, E=case.E)], env={"EPCOMM_TIMEOUT_S": 2},
+                  enable_shrink=True)
+    buf.low_latency_clean_mask_buffer()
+    problems = [f"unmasked warm-up: {m}" for m in _run(dist_env, buf, case, seed=70)]
+    inputs = _gather(_inputs(case, rank, 71))
+    x, topk_idx, weights = (t.to(dev) for t in inputs[rank])
+    (recv_x, scales), count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, case.T, case.E)
+    torch.cuda.synchronize()
+    p, _ = _check_dispatch(case, rank, num_ranks, inputs, (recv_x, scales, count, handle, None))
+    problems += [f"dispatch: {m}" for m in p]
+    x_c = _combine_input(case, rank, num_ranks, recv_x, scales, count)
+    dist_env.barrier()   # both dispatches are complete before either mask is set
+    buf.low_latency_update_mask_buffer(1 - rank, True)
+    start = time.monotonic()
+    combined, _, _ = buf.low_latency_combine(x_c, topk_idx, weights, handle)
+    torch.cuda.synchronize()
+    elapsed = time.monotonic() - start
+    if elapsed > 1.0:
+        problems.append(f"the masked combine took {elapsed:.2f} s: something waited for the masked rank")
+    masks = [torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32)]
+    problems += [f"masked combine: {m}" for m in _check_combine(case, rank, inputs, x_c, handle, combined, masks)]
+    buf.low_latency_clean_mask_buffer()
+    _verdict(dist_env, problems, "mask between dispatch and combine")
 
 
 def test_hook_overlap(dist_env):

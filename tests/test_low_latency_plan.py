@@ -60,16 +60,30 @@ def _regions(layout: lay.Layout):
     for s in (0, 1):
         out += [(f"acks{s}", layout.acks(s), 8 * R), (f"epochs{s}", layout.epochs(s), 16),
                 (f"tickets{s}", layout.tickets(s), 8),
-                (f"token_tags{s}", layout.token_tags(s), 8 * E * T), (f"row_tags{s}", layout.row_tags(s), 8 * E * T),
+                (f"token_tags{s}", layout.token_tags(s), 8 * R * T), (f"record_tags{s}", layout.record_tags(s), 8 * R * T),
+                (f"partial_tags{s}", layout.partial_tags(s), 8 * R * T), (f"map_flags{s}", layout.map_flags(s), 8 * E),
                 (f"list_tags{s}", layout.list_tags(s), 8 * E), (f"lists{s}", layout.lists(s), E * lay.list_bytes(T)),
+                (f"combine_send{s}", layout.send(s), E * T * 2 * H),
                 (f"message_stage{s}", layout.send(s), T * max(lay.message_bytes(H, H % 128 == 0), 2 * H)),
                 (f"list_stage{s}", layout.list_stage(s), E * lay.list_bytes(T)),
-                (f"recv{s}", layout.recv(s), max(E * T * 2 * H, E * T * lay.message_bytes(H, H % 128 == 0)))]
+                (f"messages{s}", layout.recv(s), R * T * max(lay.message_bytes(H, H % 128 == 0), 2 * H)),
+                (f"partials{s}", layout.recv(s), R * T * 4 * H),
+                (f"records{s}", layout.records(s), R * T * lay.RECORD_BYTES),
+                (f"partial_stage{s}", layout.partial_stage(s), R * T * 4 * H),
+                (f"record_stage{s}", layout.record_stage(s), T * lay.RECORD_BYTES),
+                (f"row_map{s}", layout.row_map(s), 4 * E * T)]
     return out
 
 
+# Regions of one set that may share memory (never used by the same call): the send buffer holds
+# the zero-copy combine input or dispatch's put stages; recv holds dispatch messages or the
+# combine regions.
+_SHARED_OK = {frozenset((a, b)) for a in ("combine_send",) for b in ("message_stage", "list_stage")} | \
+    {frozenset(("messages", b)) for b in ("partials", "records", "partial_stage", "record_stage", "row_map")}
+
+
 @pytest.mark.parametrize("T, H, R, E", [(128, 7168, 2, 288), (1, 8, 1, 1), (1024, 8192, 8, 256),
-                                        (64, 1032, 2, 64), (256, 2176, 4, 12)])
+                                        (64, 1032, 2, 64), (256, 2176, 4, 12), (32, 256, 2, 2)])
 def test_layout_regions_disjoint_aligned_and_inside_hint(T, H, R, E):
     layout = lay.Layout(T, H, R, E)
     total = ll.rdma_size_hint(T, H, R, E)
@@ -78,15 +92,10 @@ def test_layout_regions_disjoint_aligned_and_inside_hint(T, H, R, E):
     for name, offset, nbytes in regions:
         assert offset % 16 == 0, name
         assert 0 <= offset and offset + nbytes <= total, (name, offset, nbytes, total)
-    # Regions of one set may share memory only where the layout says so (stages live in the send
-    # buffer, which is also the zero-copy combine buffer); everything else is disjoint.
-    shared_ok = {frozenset(("message_stage0", "list_stage0")), frozenset(("message_stage1", "list_stage1"))}
     for (a, ao, an), (b, bo, bn) in itertools.combinations(regions, 2):
         if ao < bo + bn and bo < ao + an:
-            assert frozenset((a, b)) in shared_ok, f"{a} [{ao}, {ao + an}) overlaps {b} [{bo}, {bo + bn})"
-    # The zero-copy combine buffer [E_l, R*T, H] bf16 fits before recv.
-    for s in (0, 1):
-        assert layout.send(s) + E * T * 2 * H <= layout.recv(s)
+            assert a[-1] == b[-1] and frozenset((a[:-1], b[:-1])) in _SHARED_OK, \
+                f"{a} [{ao}, {ao + an}) overlaps {b} [{bo}, {bo + bn})"
     # clean_low_latency_buffer zeroes control and signals, and nothing of the data.
     assert layout.signals_end <= layout.send(0)
     assert layout.lists(1) + E * lay.list_bytes(T) <= layout.signals_end
@@ -108,7 +117,8 @@ def test_rdma_size_hint_is_no_larger_than_deepep():
                   + (E * 4 + 127) // 128 * 128)
     ours = ll.rdma_size_hint(T, H, R, E)
     assert ours <= deepep, (ours, deepep)
-    assert ours >= 4 * E * T * 2 * H   # two sets of send + recv rows: nothing was forgotten
+    # two sets of: the zero-copy rows, received + staged fp32 partials: nothing was forgotten
+    assert ours >= 2 * (E * T * 2 * H + 2 * R * T * 4 * H)
 
 
 def test_rdma_size_hint_rejects_bad_shapes():

@@ -216,12 +216,16 @@ def _low_latency(rank, world, group):
     y = (bf16.recv_x.float() * (experts + 1).float()[:, None, None]).bfloat16()
 
     def want_combine(dead_ranks=()):
+        """fp32: one partial per expert rank (its slots, k ascending), the partials ranks ascending."""
         out = torch.zeros(len(x), HIDDEN)
         for n in range(len(x)):
-            for k in range(TOPK):
-                g = int(idx[n, k])
-                if g >= 0 and g // local_experts not in dead_ranks:
-                    out[n] = out[n] + (x[n].float() * (g + 1)).bfloat16().float() * w[n, k]
+            for d in range(world):
+                partial = torch.zeros(HIDDEN)
+                for k in range(TOPK):
+                    g = int(idx[n, k])
+                    if g >= 0 and g // local_experts == d and d not in dead_ranks:
+                        partial = partial + (x[n].float() * (g + 1)).bfloat16().float() * w[n, k]
+                out[n] = out[n] + partial
         return out.bfloat16()
 
     got, hook = backend.low_latency_combine(y, idx, w, bf16.handle, False, False, True, None,

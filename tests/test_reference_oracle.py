@@ -250,10 +250,13 @@ def test_low_latency_combine_matches_loops():
                                              rank_masks)
             want = torch.zeros(xs[rank].shape)
             for n in range(xs[rank].shape[0]):
-                for k in range(idxs[rank].shape[1]):
-                    g = int(idxs[rank][n, k])
-                    if g < 0 or (rank_masks is not None and g // 2 != rank):
-                        continue
-                    row = (xs[rank][n].float() * (g + 1)).bfloat16().float()
-                    want[n] = want[n] + row * weights[rank][n, k]
+                for d in range(num_ranks):   # one fp32 partial per expert rank, ranks ascending
+                    partial = torch.zeros(hidden)
+                    for k in range(idxs[rank].shape[1]):
+                        g = int(idxs[rank][n, k])
+                        if g < 0 or g // 2 != d or (rank_masks is not None and d != rank):
+                            continue
+                        row = (xs[rank][n].float() * (g + 1)).bfloat16().float()
+                        partial = partial + row * weights[rank][n, k]
+                    want[n] = want[n] + partial
             assert torch.equal(got, want.bfloat16())

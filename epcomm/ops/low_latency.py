@@ -19,18 +19,20 @@ import torch
 
 from ..backend import LowLatencyDispatchResult
 from ..runtime.compiler import KernelSource
-from .low_latency_layout import (THREADS, Layout, dispatch_smem_bytes, rdma_size_hint)
+from .low_latency_layout import (MAX_TOPK, THREADS, Layout, dispatch_smem_bytes, rdma_size_hint)
 
 __all__ = ["LowLatency", "rdma_size_hint", "representative_sources", "MAX_TOPK"]
 
-MAX_TOPK = 32                      # the combine kernel gives one lane per top-k slot
 SEND, RECV = 1, 2                  # Params.phases
 _INDEX_TYPES = {torch.int64: "long long", torch.int32: "int"}
 _P = ctypes.c_void_p
 
 DISPATCH_PHASES = ["wait for a peer to release the buffer set", "wait for a source's token list",
                    "wait for a token's message"]
-COMBINE_PHASES = ["wait for a peer to release the buffer set", "wait for an expert's row"]
+# epcomm::ll::CombinePhase
+COMBINE_PHASES = ["wait for a peer to release the buffer set", "wait for a source's top-k record",
+                  "wait for this rank's row map", "wait for an expert rank's partial sum",
+                  "wait for this rank's send part to end"]
 
 _SHARED = [("heap", _P), ("peer_bases", _P), ("acks", _P), ("epochs", _P), ("tickets", _P), ("mask", _P)]
 
@@ -51,7 +53,9 @@ class CombineParams(ctypes.Structure):
     """Mirror of epcomm::ll::CombineParams."""
     _fields_ = [("x", _P), ("src_info", _P), ("layout_range", _P), ("topk_idx", _P), ("topk_weights", _P),
                 ("out", _P), ("wait_recv_cost_stats", _P)] + _SHARED + [
-                ("row_tags", _P), ("rows", _P), ("row_stage", _P), ("err", _P), ("timeout_ns", ctypes.c_uint64),
+                ("record_tags", _P), ("partial_tags", _P), ("map_flags", _P), ("records", _P), ("partials", _P),
+                ("record_stage", _P), ("partial_stage", _P), ("row_map", _P), ("err", _P),
+                ("timeout_ns", ctypes.c_uint64),
                 ("num_tokens", ctypes.c_int), ("rank", ctypes.c_int), ("phases", ctypes.c_int),
                 ("use_nvlink", ctypes.c_int), ("enable_shrink", ctypes.c_int), ("op", ctypes.c_int)]
 
@@ -75,11 +79,13 @@ def combine_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int,
 
 def representative_sources() -> List[KernelSource]:
     """For `python -m epcomm.jit --precompile`, in one unit: the targets.md setting (FP8 dispatch,
-    BF16 combine, 2 ranks), power-of-two / UE8M0 scales on 8 ranks, BF16 dispatch with int32 indices."""
+    BF16 combine, 2 ranks), power-of-two / UE8M0 scales on 8 ranks, BF16 dispatch with int32 indices,
+    a full top-k (MAX_TOPK) combine with int32 indices on 4 ranks."""
     kernels = (dispatch_source(7168, 8, 2, 288, 128, True, False, False).kernels
                + combine_source(7168, 8, 2, 288, 128).kernels
                + dispatch_source(4096, 8, 8, 256, 256, True, True, True).kernels
-               + dispatch_source(2048, 16, 4, 64, 64, False, False, False, torch.int32).kernels)
+               + dispatch_source(2048, 16, 4, 64, 64, False, False, False, torch.int32).kernels
+               + combine_source(1024, MAX_TOPK, 4, 64, 64, torch.int32).kernels)
     return [KernelSource("low_latency.cu", kernels, uses_nvshmem=True)]
 
 
@@ -295,13 +301,17 @@ class LowLatency:
         layout = self._layout(T, H, E)
         kernel = self._kernel(combine_source(H, K, self.num_ranks, E, T, index_dtype))
         params = tuple(self._combine_params(layout, s) for s in (0, 1))
-        plan = self._plans[key] = _Plan(kernel, 0, params, (T, E), hidden=H)
+        send = tuple(self.gb.rdma.ptr + layout.send(s) for s in (0, 1))   # the zero-copy buffers
+        plan = self._plans[key] = _Plan(kernel, 0, params, (T, E), hidden=H, zero_copy_x=send)
         return plan
 
     def _combine_params(self, layout: Layout, s: int) -> CombineParams:
         p, base = CombineParams(), self.gb.rdma.ptr
         self._fill_shared(p, layout, s, self.combine_op)
-        p.row_tags, p.rows, p.row_stage = base + layout.row_tags(s), base + layout.recv(s), base + layout.send(s)
+        p.record_tags, p.partial_tags, p.map_flags = (base + layout.record_tags(s), base + layout.partial_tags(s),
+                                                      base + layout.map_flags(s))
+        p.records, p.partials, p.row_map = base + layout.records(s), base + layout.recv(s), base + layout.row_map(s)
+        p.record_stage, p.partial_stage = base + layout.record_stage(s), base + layout.partial_stage(s)
         return p
 
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, return_recv_hook, out,
@@ -326,7 +336,7 @@ class LowLatency:
                     pool.keep(stream, (out,))
             del pooled
         # zero_copy: the data is in this set's send buffer (get_next_low_latency_combine_buffer).
-        p.x = p.row_stage if zero_copy else x.data_ptr()
+        p.x = plan.zero_copy_x[s] if zero_copy else x.data_ptr()
         p.src_info, p.layout_range = src_info.data_ptr(), layout_range.data_ptr()
         p.topk_idx, p.topk_weights, p.out, p.num_tokens = topk_idx.data_ptr(), topk_weights.data_ptr(), out.data_ptr(), N
         p.wait_recv_cost_stats = _ptr(combine_wait_recv_cost_stats)

@@ -8,18 +8,23 @@ control   (depends on R only; offset 0)
           per set: acks [R] u64 (written by the peers), epochs [2] u64 (calls sent / received on the
           set), tickets [2] u32 (blocks done with the current launch's send / receive part);
           then mask [R] i32 (enable_shrink).
-signals   per set, depends on (T, E): token_tags u64 (dispatch messages, [R][T] used: a token goes
-          once to each rank; the region keeps the [E][T] size of row_tags), list_tags
-          [E_l][R] u64, row_tags [E][T] u64 (combine rows), lists [E_l][R][16 + 4T] (count + token
-          indices of each (local expert, source)).
+signals   per set, depends on (T, E): token_tags [R][T] u64 (dispatch messages: a token goes once
+          to each rank), record_tags [R][T] u64 (combine: top-k records, by source rank),
+          partial_tags [R][T] u64 (combine: partial sums, by expert rank), map_flags [E_l][R] u64
+          (combine: this rank's row map of each (local expert, source) is built; never remote),
+          list_tags [E_l][R] u64, lists [E_l][R][16 + 4T] (count + token indices of each
+          (local expert, source)).
 data      per set, depends on (T, H, E): send = the zero-copy combine buffer [E_l][R*T][H] bf16,
           which also holds the put stages of dispatch (messages [T][msg] then lists [E][16 + 4T]);
-          recv = dispatch messages [R][T][msg] or combine rows [E][T][H] bf16 (a set carries one
-          call at a time; the acks make sure its previous call was consumed before it is rewritten).
+          recv = dispatch messages [R][T][msg], or for combine: partials [R][T][H] f32 (received,
+          by expert rank), records [R][T][256 B] (received top-k ids + weights, by source rank),
+          partial_stage [R][T][H] f32 and record_stage [T][256 B] (sources of puts), row_map
+          [R][E_l][T] i32 (packed row of (source, local expert, token), local). A set carries one
+          call at a time; the acks make sure its previous call was consumed before it is rewritten.
 
 Only control and signals must start zeroed (the kernels count calls in them); data is always
-written before its tag. Changing T or E moves the signals, hence clean_low_latency_buffer; H only
-moves data.
+written before its tag (the row map before its flag). Changing T or E moves the signals, hence
+clean_low_latency_buffer; H only moves data.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ SCALE_CHANNELS = 128         # channels per FP8 scale
 LIST_HEADER_BYTES = 16       # count + padding before the token indices of a list
 SMEM_BUDGET = 96 * 1024      # DispatchShape::kSmemBudget
 ALIGN = 256                  # every region starts on this boundary
+MAX_TOPK = 32                # the kernels give one lane per top-k slot
+RECORD_BYTES = 8 * MAX_TOPK  # combine top-k record: K i32 expert ids, then K f32 weights
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -94,24 +101,31 @@ class Layout:
     def control_bytes(self) -> int:
         return _align(self.mask + 4 * self.num_ranks)
 
-    # ---- signals ---------------------------------------------------------------------------
+    # ---- signals ----------------------------------------------------------------------------
     @property
     def _tag_array_bytes(self) -> int:
-        return _align(8 * self.num_experts * self.num_max_tokens)
+        """[R][T] u64: one tag per (rank, token)."""
+        return _align(8 * self.num_ranks * self.num_max_tokens)
 
     @property
     def _signal_set_bytes(self) -> int:
-        return (2 * self._tag_array_bytes + _align(8 * self.num_experts)
+        return (3 * self._tag_array_bytes + 2 * _align(8 * self.num_experts)
                 + _align(self.num_experts * list_bytes(self.num_max_tokens)))
 
     def token_tags(self, s: int) -> int:
         return self.control_bytes + s * self._signal_set_bytes
 
-    def row_tags(self, s: int) -> int:
+    def record_tags(self, s: int) -> int:
         return self.token_tags(s) + self._tag_array_bytes
 
+    def partial_tags(self, s: int) -> int:
+        return self.record_tags(s) + self._tag_array_bytes
+
+    def map_flags(self, s: int) -> int:
+        return self.partial_tags(s) + self._tag_array_bytes
+
     def list_tags(self, s: int) -> int:
-        return self.row_tags(s) + self._tag_array_bytes
+        return self.map_flags(s) + _align(8 * self.num_experts)
 
     def lists(self, s: int) -> int:
         return self.list_tags(s) + _align(8 * self.num_experts)
@@ -123,22 +137,31 @@ class Layout:
 
     # ---- data ------------------------------------------------------------------------------
     @property
-    def _rows_bytes(self) -> int:
-        """[E][T][H] bf16 = [E_l][R*T][H] bf16: combine rows, and the bound of dispatch messages."""
-        return _align(self.num_experts * self.num_max_tokens * 2 * self.hidden)
+    def _send_bytes(self) -> int:
+        """The zero-copy combine buffer [E_l][R*T][H] bf16, or dispatch's put stages."""
+        stages = self._message_stage_bytes + _align(self.num_experts * list_bytes(self.num_max_tokens))
+        return max(_align(self.num_experts * self.num_max_tokens * 2 * self.hidden), stages)
 
     @property
     def _message_stage_bytes(self) -> int:
         return _align(self.num_max_tokens * 2 * self.hidden)
 
     @property
-    def _send_bytes(self) -> int:
-        stages = self._message_stage_bytes + _align(self.num_experts * list_bytes(self.num_max_tokens))
-        return max(self._rows_bytes, stages)
+    def _partials_bytes(self) -> int:
+        """[R][T][H] f32: one partial sum per (rank, token)."""
+        return _align(self.num_ranks * self.num_max_tokens * 4 * self.hidden)
+
+    @property
+    def _recv_bytes(self) -> int:
+        messages = _align(self.num_ranks * self.num_max_tokens * 2 * self.hidden)   # >= [R][T][msg]
+        records = self.num_ranks * self.num_max_tokens * RECORD_BYTES
+        combine = (2 * self._partials_bytes + _align(records) + _align(self.num_max_tokens * RECORD_BYTES)
+                   + _align(4 * self.num_experts * self.num_max_tokens))
+        return max(messages, combine)
 
     @property
     def _data_set_bytes(self) -> int:
-        return self._send_bytes + self._rows_bytes
+        return self._send_bytes + self._recv_bytes
 
     def send(self, s: int) -> int:
         """The zero-copy combine buffer of set s; the dispatch message stage starts here too."""
@@ -148,7 +171,20 @@ class Layout:
         return self.send(s) + self._message_stage_bytes
 
     def recv(self, s: int) -> int:
+        """Dispatch messages of set s; combine partials start here too."""
         return self.send(s) + self._send_bytes
+
+    def records(self, s: int) -> int:
+        return self.recv(s) + self._partials_bytes
+
+    def partial_stage(self, s: int) -> int:
+        return self.records(s) + _align(self.num_ranks * self.num_max_tokens * RECORD_BYTES)
+
+    def record_stage(self, s: int) -> int:
+        return self.partial_stage(s) + self._partials_bytes
+
+    def row_map(self, s: int) -> int:
+        return self.record_stage(s) + _align(self.num_max_tokens * RECORD_BYTES)
 
     @property
     def total_bytes(self) -> int:

@@ -16,8 +16,9 @@ Definitions fixed here (where DeepEP leaves room):
     and round to nearest even e4m3. The stored scale is scale_inv (dequant = fp8 * scale_inv).
   * UE8M0: the byte is the biased exponent of scale_inv (bits 23..30); scale group j goes to byte
     j % 4 (little-endian) of int32 word j // 4; unused bytes of the last word are 0.
-  * combine sums in fp32: bias0 + bias1 first, then ranks ascending (normal); k ascending (low
-    latency, w * x per term).
+  * combine sums in fp32: bias0 + bias1 first, then ranks ascending (normal). Low latency: per
+    expert rank d a partial sum over the top-k slots whose expert lives on d, k ascending (w * x
+    per term, from +0), then the partials of d ascending (from +0), then one rounding to bf16.
   * rank masks (enable_shrink): rank_masks[r] is rank r's mask buffer [R] (nonzero = masked); the
     link s <-> d is dead when either masks the other; a dead link carries no tokens either way.
 """
@@ -315,8 +316,10 @@ def ll_valid_rows(expert_output, src_info, layout_range):
 def ll_combine_rows(rows, topk_idx, topk_weights, rank, num_experts, rank_masks=None):
     """Combine from the valid rows of every rank: rows is a list over expert ranks d of
     ll_valid_rows(...) of d's combine input (rows of other sources are ignored).
-    -> [N, H] bf16 = sum_k w[n,k] * row(expert topk_idx[n,k], token n), fp32, k ascending; -1
-    entries, missing rows and dead links contribute nothing."""
+    -> [N, H] bf16 = sum_k w[n,k] * row(expert topk_idx[n,k], token n) in fp32, summed as the
+    GPU does: per expert rank d the partial sum over the slots whose expert is on d, k ascending,
+    then the partials, d ascending (the expert rank sums its rows and sends one fp32 partial per
+    token). -1 entries, missing rows and dead links contribute nothing."""
     num_ranks = len(rows)
     num_local_experts = _local_experts(num_experts, num_ranks)
     num_tokens, hidden = topk_idx.shape[0], rows[rank][1].shape[1]
@@ -334,13 +337,15 @@ def ll_combine_rows(rows, topk_idx, topk_weights, rank, num_experts, rank_masks=
     table = torch.cat(table)
     acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     tokens = torch.arange(num_tokens)
-    for k in range(topk_idx.shape[1]):
-        experts = topk_idx[:, k].long()
-        used = experts >= 0
-        safe = experts.clamp_min(0)
-        used &= alive[safe // num_local_experts]
-        term = table[slot[safe, tokens]] * topk_weights[:, k].float()[:, None]
-        acc += torch.where(used[:, None], term, 0.0)
+    for d in range(num_ranks):
+        partial = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+        for k in range(topk_idx.shape[1]):
+            experts = topk_idx[:, k].long()
+            safe = experts.clamp_min(0)
+            used = (experts >= 0) & (safe // num_local_experts == d) & alive[d]
+            term = table[slot[safe, tokens]] * topk_weights[:, k].float()[:, None]
+            partial += torch.where(used[:, None], term, 0.0)
+        acc += partial
     return acc.to(torch.bfloat16)
 
 
