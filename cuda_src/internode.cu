@@ -147,12 +147,15 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
             p.info[0] = max_tokens;
         }
         // send_nvl_head: add the rows that lower ranks send to each destination before this one.
-        for (long long idx = threadIdx.x; idx < (long long)n * kRanks; idx += kNotifyThreads) {
-            const int j = idx % kRanks, head = p.send_nvl_head[idx];
-            if (head < 0) continue;
+        for (int j = threadIdx.x; j < kRanks; j += kNotifyThreads) {
             int before = 0;
             for (int s = 0; s < p.rank; ++s) before += count(s, j);
-            p.send_nvl_head[idx] = head + before;
+            sent[j] = before;   // the totals were published above; reuse the slots
+        }
+        __syncthreads();
+        for (long long idx = threadIdx.x; idx < (long long)n * kRanks; idx += kNotifyThreads) {
+            const int head = p.send_nvl_head[idx];
+            if (head >= 0) p.send_nvl_head[idx] = head + sent[idx % kRanks];
         }
     }
     kernel_finish<kRanks, kNodes>(call);

@@ -67,7 +67,9 @@ def setup(dist_env, request):
     if world % local or world // local < 2:
         pytest.skip(f"needs at least 2 nodes of {local} ranks ({2 * local}+ GPUs, a multiple of {local}); "
                     f"this run has {world}")
-    buf = make_buffer(dist_env, local)
+    # 1 GiB: the round trip's 4096 tokens per rank fit combine's capacity (fp32 partials, L pushed
+    # rows per token and node: ~143 KB per token at H = 7168, L = 1, M = 2).
+    buf = make_buffer(dist_env, local, rdma_bytes=1 << 30)
     assert buf.runtime.get_num_rdma_ranks() == world // local
     yield buf, local
     release(dist_env, buf)
@@ -134,6 +136,30 @@ def combine_inputs(inputs, world, experts):
     return xs, ws
 
 
+def combine_errors(dist_env, buf, got, inputs, local: int, experts: int, bias=None, config=None) -> List[str]:
+    """Combine of distinct per-rank rows (combine_inputs) through `got`'s handle vs the oracle,
+    bit-exact (the kernels sum in oracle.combine's order for nodes of `local` ranks)."""
+    rank, device = dist_env.rank, dist_env.device
+    xs, ws = combine_inputs(inputs, dist_env.world_size, experts)
+    on_device = None if bias is None else tuple(dev(b, device) for b in bias)
+    combined, weights, _ = buf.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device),
+                                       bias=on_device, config=config)
+    want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws,
+                                    (None, None) if bias is None else bias, num_local_ranks=local)
+    return [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w)]
+
+
+def round_trip_errors(combined, weights, mine) -> List[str]:
+    """combine(dispatch(x)) == x * (ranks the token reached) within calc_diff 5e-6; weights back."""
+    reached = mine.layout[3].sum(1, keepdim=True).float()
+    diff = calc_diff(combined.float().cpu(), mine.x.float() * reached)
+    errors = [f"calc_diff {diff} >= 5e-6" if diff >= 5e-6 else ""]
+    if weights is not None:
+        gap = float((weights.cpu() - mine.topk_weights).abs().max()) if weights.numel() else 0.0
+        errors.append(f"weights differ by {gap}" if gap >= 1e-9 else "")
+    return errors
+
+
 # ---- dispatch + cached dispatch + combine ----------------------------------------------------------
 CASES = [  # seed, N by rank, H, K, E, fp8, index dtype, alignment, num_sms
     (1, (1024,), HIDDEN, 8, 256, False, torch.int64, 1, 24),
@@ -148,7 +174,7 @@ CASES = [  # seed, N by rank, H, K, E, fp8, index dtype, alignment, num_sms
 def test_dispatch_and_combine_match_oracle(dist_env, setup, seed, ns, hidden, topk, experts, fp8,
                                            index_dtype, alignment, sms):
     buf, local = setup
-    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    rank, device = dist_env.rank, dist_env.device
     kw = dict(hidden=hidden, num_experts=experts, num_topk=topk, fp8=fp8, index_dtype=index_dtype)
     inputs = inputs_for(dist_env, local, ns, seed=seed, **kw)
     got = run_dispatch(buf, inputs[rank], device, fp8, config=epcomm.Config(sms), expert_alignment=alignment)
@@ -164,15 +190,10 @@ def test_dispatch_and_combine_match_oracle(dist_env, setup, seed, ns, hidden, to
     errors.append("" if cached[1:5] == (None, None, None, None) else "cached dispatch returned more than recv_x")
     check(dist_env, errors, "cached dispatch")
 
-    xs, ws = combine_inputs(inputs, world, experts)
     gen = torch.Generator().manual_seed(seed + 7)
     bias = tuple(torch.randn(len(inputs[rank].x), hidden, generator=gen).to(torch.bfloat16) for _ in range(2))
-    combined, weights, _ = buf.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device),
-                                       bias=tuple(dev(b, device) for b in bias),
-                                       config=epcomm.Config(max(2, sms - 4)))
-    want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws, bias, num_local_ranks=local)
-    check(dist_env, [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w)],
-          "combine")
+    check(dist_env, combine_errors(dist_env, buf, got, inputs, local, experts, bias,
+                                   epcomm.Config(max(2, sms - 4))), "combine with a 2-tuple bias")
 
 
 def test_round_trip_with_gpu_layout(dist_env, setup):
@@ -186,12 +207,8 @@ def test_round_trip_with_gpu_layout(dist_env, setup):
         dev(mine.x, device), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
     combined, weights, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
-    reached = mine.layout[3].sum(1, keepdim=True).float()
-    diff = calc_diff(combined.float().cpu(), mine.x.float() * reached)
-    weight_error = float((weights.cpu() - mine.topk_weights).abs().max())
-    check(dist_env, [f"calc_diff {diff} >= 5e-6" if diff >= 5e-6 else "",
-                     f"weights differ by {weight_error}" if weight_error >= 1e-9 else "",
-                     row_diff("num_tokens_per_rdma_rank", per_node, mine.layout[1])], "round trip")
+    check(dist_env, round_trip_errors(combined, weights, mine) +
+          [row_diff("num_tokens_per_rdma_rank", per_node, mine.layout[1])], "round trip")
 
 
 @pytest.mark.parametrize("seed, route, ns", [(21, "nowhere", (600,)), (22, "rank0", (500, 0)),
@@ -199,17 +216,12 @@ def test_round_trip_with_gpu_layout(dist_env, setup):
 def test_uneven_loads(dist_env, setup, seed, route, ns):
     """Tokens routed nowhere, ranks receiving nothing, N = 0 on some ranks."""
     buf, local = setup
-    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    rank, device = dist_env.rank, dist_env.device
     inputs = inputs_for(dist_env, local, ns, seed=seed, hidden=HIDDEN, num_experts=64, num_topk=6, route=route)
     got = run_dispatch(buf, inputs[rank], device, False)
     check(dist_env, dispatch_errors(got, expected(inputs, rank, 64, False), False, rank, inputs), "dispatch")
-    xs, ws = combine_inputs(inputs, world, 64)
     ones = torch.ones(len(inputs[rank].x), HIDDEN, dtype=torch.bfloat16)
-    combined, weights, _ = buf.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device),
-                                       bias=dev(ones, device))
-    want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws, (ones, None), num_local_ranks=local)
-    check(dist_env, [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w)],
-          "combine")
+    check(dist_env, combine_errors(dist_env, buf, got, inputs, local, 64, (ones, None)), "combine")
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -227,11 +239,8 @@ def test_num_worst_tokens(dist_env, setup, fp8):
     errors.append("" if bool((meta[num_recv:] == -1).all()) else "padding rows of recv_src_meta are not -1")
     check(dist_env, errors, "worst dispatch")
     if not fp8:
-        recv_x, _, recv_w, _, handle, _ = got
-        combined, weights, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
-        reached = inputs[rank].layout[3].sum(1, keepdim=True).float()
-        diff = calc_diff(combined.float().cpu(), inputs[rank].x.float() * reached)
-        check(dist_env, [f"calc_diff {diff}" if diff >= 5e-6 else ""], "worst round trip")
+        combined, weights, _ = buf.combine(got[0], got[4], topk_weights=got[2])
+        check(dist_env, round_trip_errors(combined, weights, inputs[rank]), "worst round trip")
 
 
 def test_cuda_graph_replay(dist_env, setup):
@@ -273,16 +282,14 @@ def test_cuda_graph_replay(dist_env, setup):
         torch.cuda.synchronize()
         errors = dispatch_errors(out, expected(inputs, rank, experts, False, num_worst_tokens=num_worst), False,
                                  rank, inputs)
-        reached = inputs[rank].layout[3].sum(1, keepdim=True).float()
-        diff = calc_diff(combined[0].float().cpu(), inputs[rank].x.float() * reached)
-        errors.append(f"replay combine calc_diff {diff}" if diff >= 5e-6 else "")
-        check(dist_env, errors, f"graph replay seed {seed}")
+        check(dist_env, errors + round_trip_errors(combined[0], combined[1], inputs[rank]),
+              f"graph replay seed {seed}")
 
 
 def test_sm80_feature_set(dist_env, setup):
     """EPCOMM_ARCH=sm80: the kernels built with EPCOMM_FEATURE_SM80 on this GPU."""
     buf, local = setup
-    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    rank, device = dist_env.rank, dist_env.device
 
     def run():
         from epcomm.runtime.arch import device_arch
@@ -292,10 +299,7 @@ def test_sm80_feature_set(dist_env, setup):
                                 fp8=fp8)
             got = run_dispatch(buf, inputs[rank], device, fp8)
             errors += dispatch_errors(got, expected(inputs, rank, 64, fp8), fp8, rank, inputs)
-            xs, ws = combine_inputs(inputs, world, 64)
-            combined, weights, _ = buf.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device))
-            want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws, num_local_ranks=local)
-            errors += [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w)]
+            errors += combine_errors(dist_env, buf, got, inputs, local, 64)
         return errors
     check(dist_env, with_env("EPCOMM_ARCH", "sm80", run), "sm80 feature set")
 

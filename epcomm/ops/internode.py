@@ -107,21 +107,18 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
              is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
              num_worst_tokens, config) -> DispatchResult:
     """Backend.dispatch for ranks over several nodes (arguments validated by Buffer)."""
-    what = "dispatch"
+    what, fresh = "dispatch", handle is None
     num_ranks, num_local, device = gb.num_ranks, gb.num_local_ranks, gb.device
     _check_buffer(gb, config, what)
-    x = _aligned(x)
-    num_tokens, hidden = x.shape
+    if fresh and num_worst_tokens == 0 and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what}: an exact-size dispatch reads the received counts on the host, "
+                           f"which a CUDA graph cannot capture; pass num_worst_tokens > 0 (or a "
+                           f"cached handle) under capture")
+    x, topk_idx, topk_weights = (_aligned(t) for t in (x, topk_idx, topk_weights))   # scales: scalar loads
+    (num_tokens, hidden), num_scales = x.shape, 0 if x_scales is None else x_scales.shape[1]
     row_bytes = hidden * x.element_size()
-    num_scales = 0 if x_scales is None else x_scales.shape[1]
-    fresh = handle is None
 
     if fresh:
-        topk_idx, topk_weights = _aligned(topk_idx), _aligned(topk_weights)
-        if num_worst_tokens == 0 and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{what}: an exact-size dispatch reads the received counts on the host, "
-                               f"which a CUDA graph cannot capture; pass num_worst_tokens > 0 (or a "
-                               f"cached handle) under capture")
         num_local_experts = num_tokens_per_expert.shape[0] // num_ranks
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
         index_type = _INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
@@ -216,16 +213,21 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
     return out
 
 
+def _host_ints(gb, ints: torch.Tensor) -> List[int]:
+    """The values of a device int32 tensor once the stream got there (a GPU failure recorded by
+    then raises first: PeerTimeout / DeviceCheckFailed)."""
+    pinned = torch.empty(ints.shape, dtype=torch.int32, pin_memory=True)
+    pinned.copy_(ints, non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    gb.check_errors()
+    return pinned.tolist()
+
+
 def _read_counts(gb, info, num_local_experts, expert_alignment, layout, what):
     """Exact mode: wait for notify, read the counts. Every rank reads the same N max, so the
     capacity check raises on all ranks alike (ranks with different Config.num_sms or num_experts
     were recorded by the notify kernel: check_errors raises that)."""
-    num_ranks = gb.num_ranks
-    host = torch.empty(info.shape, dtype=torch.int32, pin_memory=True)
-    host.copy_(info, non_blocking=True)
-    torch.cuda.current_stream().synchronize()
-    gb.check_errors()
-    values = host.tolist()
+    num_ranks, values = gb.num_ranks, _host_ints(gb, info)
     plan.check_capacity(what, values[0], layout.capacity, gb.rdma.nbytes,
                         f"{layout.record_bytes}-byte records; the largest N of all ranks")
     num_recv = values[1 + (num_ranks - 1) * num_ranks + gb.rank]
