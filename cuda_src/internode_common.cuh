@@ -119,16 +119,6 @@ struct CombineParams {
 };
 static_assert(sizeof(CombineParams) == 168, "CombineParams is mirrored in epcomm/ops/internode_plan.py");
 
-// ---- rank geometry --------------------------------------------------------------------------
-// Rank s = node * L + local; the RDMA peer of s on node m is m * L + local.
-template <int kRanks, int kLocal>
-struct Ranks {
-    static_assert(kRanks % kLocal == 0, "ranks per node must divide the ranks");
-    static_assert(kLocal <= 32, "lane-per-local-rank loops assume at most 32 ranks per node");
-    static constexpr int kNodes = kRanks / kLocal;
-    using H = Header<kRanks, kNodes>;
-};
-
 __device__ __forceinline__ unsigned long long *signal_word(char *base, long long region, int index) {
     return reinterpret_cast<unsigned long long *>(base + region) + index;
 }
@@ -136,6 +126,7 @@ __device__ __forceinline__ unsigned long long *signal_word(char *base, long long
 // ---- start and end of every internode kernel --------------------------------------------------
 // What every block of a kernel knows about its call: this rank's buffer, the call's epoch, the
 // failure guard and this rank's place (node, local index).
+// Rank s = node * L + local; the RDMA peer of s on node m is m * L + local.
 struct Call {
     char *base;
     unsigned long long epoch;
@@ -146,6 +137,8 @@ struct Call {
 // Peer table into shared memory (`peers`), epoch, guard.
 template <int kRanks, int kLocal, class Params>
 __device__ __forceinline__ Call begin_call(char **peers, const Params &p) {
+    static_assert(kRanks % kLocal == 0, "ranks per node must divide the ranks");
+    static_assert(kLocal <= 32, "a lane per local rank (presence bits, waits) assumes <= 32 ranks per node");
     const unsigned long long epoch = intranode::kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
     char *base = peers[p.rank];
     return Call{base, epoch, Guard::make(base, p.err, p.timeout_ns, p.op, p.rank), p.rank, p.rank / kLocal,
