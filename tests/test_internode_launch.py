@@ -29,12 +29,22 @@ def launches(monkeypatch):
     return calls
 
 
+class FakeRdma:   # what the launcher reads of runtime.symmetric.SymmetricBuffer (weakref-able)
+    def __init__(self, nbytes):
+        self.nbytes, self.ptr, self.peer_ptrs = nbytes, 4096, [8192 * (r + 1) for r in range(RANKS)]
+
+
 def fake_backend(rank=1, rdma_bytes=64 << 20):
     return SimpleNamespace(
         rank=rank, num_ranks=RANKS, num_local_ranks=LOCAL, device=torch.device("cpu"), device_index=0,
-        arch=SimpleNamespace(num_sms=132), low_latency_mode=False, timeout_ns=123,
-        rdma=SimpleNamespace(nbytes=rdma_bytes, peer_ptrs=[1] * RANKS, peer_table=torch.zeros(RANKS, dtype=torch.int64)),
+        arch=SimpleNamespace(num_sms=132), low_latency_mode=False, timeout_ns=123, rdma=FakeRdma(rdma_bytes),
         status=SimpleNamespace(device_ptr=0), check_errors=lambda: None)
+
+
+def peer_bases(params):
+    """The [R] table the launch passed, read back (CPU tensors stand in for device memory)."""
+    import ctypes
+    return list((ctypes.c_int64 * RANKS).from_address(params.peer_bases))
 
 
 def routing(num_tokens, seed=0):
@@ -82,6 +92,8 @@ def test_fresh_exact_dispatch_fills_params_from_the_handle(launches, monkeypatch
         (layout.recv_offset, layout.stage_offset, layout.capacity, layout.record_bytes)
     assert (p.num_chunks, p.num_topk, p.num_out_rows, p.num_local_experts, p.rank) == (chunks, TOPK, 37, 4, 1)
     assert result.num_recv_tokens_per_expert_list == [3] * 4
+    # the own entry is the heap address (NVSHMEM translates puts relative to it), the others nvshmem_ptr's
+    assert peer_bases(p) == peer_bases(notify) == [8192, 4096, 8192 * 3, 8192 * 4]
     assert notify.notify_ints == plan.notify_ints(RANKS, 4)
     assert (notify.area_offset, notify.stage_offset) == plan.notify_offsets(RANKS, nodes, 4)[:2]
 

@@ -23,7 +23,8 @@ G comes from Config.num_sms (internode_plan.num_chunks) and must be equal on eve
 """
 from __future__ import annotations
 
-from typing import List
+import weakref
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -91,6 +92,23 @@ def _check_notify_fits(gb, num_local_experts: int, what: str) -> None:
     if end > gb.rdma.nbytes:
         raise ValueError(f"{what}: num_rdma_bytes={gb.rdma.nbytes} is smaller than the {end} bytes the "
                          f"count exchange of {gb.num_ranks} ranks needs (Config.get_rdma_buffer_size_hint)")
+
+
+# Per RDMA buffer: [R] int64 device table of every rank's copy as this process addresses it. The
+# kernels take their own entry as `base` and hand addresses derived from it to NVSHMEM puts, which
+# translate them relative to the symmetric heap: so the own entry is the heap address itself
+# (buffer.ptr), whatever mapping nvshmem_ptr gives for this PE.
+_PEER_BASES: Dict[int, Tuple[object, torch.Tensor]] = {}
+
+
+def _peer_bases(gb) -> int:
+    rdma = gb.rdma
+    entry = _PEER_BASES.get(id(rdma))
+    if entry is None or entry[0]() is not rdma:
+        bases = list(rdma.peer_ptrs)
+        bases[gb.rank] = rdma.ptr
+        entry = _PEER_BASES[id(rdma)] = (weakref.ref(rdma), torch.tensor(bases, dtype=torch.int64, device=gb.device))
+    return entry[1].data_ptr()
 
 
 def _dispatch_layout(gb, row_bytes: int, num_scales: int, num_topk: int) -> plan.DispatchLayout:
@@ -171,7 +189,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         send_nvl_head=_ptr(handle[9]), recv_x=_ptr(recv_x), recv_x_scales=_ptr(recv_scales),
         recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
         recv_src_meta=_ptr(handle[7]) if fresh else 0,
-        peer_bases=gb.rdma.peer_table.data_ptr(), err=gb.status.device_ptr,
+        peer_bases=_peer_bases(gb), err=gb.status.device_ptr,
         scale_stride_token=x_scales.stride(0) if x_scales is not None else 0,
         scale_stride_group=x_scales.stride(1) if x_scales is not None else 0,
         timeout_ns=gb.timeout_ns, recv_offset=layout.recv_offset, stage_offset=layout.stage_offset,
@@ -204,7 +222,7 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
     area, stage, _ = plan.notify_offsets(num_ranks, num_nodes, num_local_experts)
     params = plan.NotifyParams(
         is_token_in_rank=_ptr(is_token_in_rank), num_tokens_per_expert=_ptr(num_tokens_per_expert),
-        peer_bases=gb.rdma.peer_table.data_ptr(), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
+        peer_bases=_peer_bases(gb), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
         area_offset=area, stage_offset=stage, num_tokens=num_tokens, num_chunks=chunks,
         tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
         num_local_experts=num_local_experts, notify_ints=plan.notify_ints(num_ranks, num_local_experts),
@@ -265,7 +283,7 @@ def combine(gb, x, handle, topk_weights, bias, config):
         recv_src_meta=_ptr(handle[7]), recv_gbl_rank_prefix_sum=handle[6].data_ptr(),
         recv_rdma_channel_prefix=handle[3].data_ptr(), send_rdma_head=_ptr(handle[8]),
         combined_x=_ptr(combined_x), combined_weights=_ptr(combined_weights),
-        peer_bases=gb.rdma.peer_table.data_ptr(), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
+        peer_bases=_peer_bases(gb), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
         push_offset=layout.push_offset, partial_stage_offset=layout.partial_stage_offset,
         partial_recv_offset=layout.partial_recv_offset, capacity=layout.capacity,
         push_bytes=layout.push_bytes, partial_bytes=layout.partial_bytes,
