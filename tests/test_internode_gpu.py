@@ -305,8 +305,9 @@ def test_sm80_feature_set(dist_env, setup):
 
 
 # ---- capacity and failures ------------------------------------------------------------------------
-def test_too_many_tokens_raise_before_launch(dist_env):
-    """A buffer that holds fewer tokens than N: ValueError on every rank, then a call that fits works."""
+def test_too_many_tokens_raise_before_the_data_kernel(dist_env):
+    """A buffer that holds fewer tokens than N: ValueError on every rank once notify told every rank
+    the largest N (exact mode), nothing written; then a call that fits works."""
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
     if world < 2:
         pytest.skip("needs 2 or more ranks")
