@@ -19,8 +19,8 @@
 // to the source in chunks with one signal each; the source adds bias0 + bias1 and the partials of
 // nodes 0..M-1 in that order (epcomm.reference.oracle.combine with num_local_ranks = L).
 //
-// One-shot: every call fits the data region (the host checks N against the capacity before any
-// launch), so no sender waits for buffer space inside a call. Across calls, `epoch` counts this
+// One-shot: every call fits the data region (the host checks N against the capacity before the data
+// kernel), so no sender waits for buffer space inside a call. Across calls, `epoch` counts this
 // rank's internode kernels (device-resident, bumped by the last block; equal on every rank since
 // calls are collective), signal words are compared with it (never reset), and no kernel writes
 // anything another rank reads before every rank finished the previous internode kernel (`done`

@@ -5,7 +5,9 @@ build the routing tables) then the data kernel; with num_worst_tokens == 0 the h
 counts in between (one small D2H copy + stream sync) to size the outputs exactly; with
 num_worst_tokens > 0 nothing touches the host (CUDA-graph capturable). A cached dispatch and a
 combine are one launch. Everything lives in the RDMA buffer (num_rdma_bytes); calls are one-shot:
-every rank's N must fit the capacity internode_plan computes (ValueError before any launch).
+every rank's N must fit the capacity internode_plan computes (ValueError before the data kernel:
+before any launch with num_worst_tokens (this rank's N), after notify in exact mode (the largest N
+of all ranks, so every rank raises alike)).
 
 Handle (10-tuple), int32 CUDA tensors except element 0 (M nodes, L ranks per node, G chunks):
   0 is_token_in_rank [N, R] bool, as given

@@ -13,7 +13,7 @@ previous internode kernel, so the layouts may overlap):
             partial sums staged [M][capacity] | partial sums received [M][capacity]
             (partial = fp32 row | weights f32[K])
 `capacity` = tokens one source node can send to one RDMA peer in a call: a call is one-shot, so
-every rank's N must be <= the capacity that num_rdma_bytes leaves (checked before any launch).
+every rank's N must be <= the capacity that num_rdma_bytes leaves (checked before the data kernel).
 """
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ class CombineLayout:
 
 
 def check_capacity(what: str, num_tokens: int, capacity: int, rdma_bytes: int, detail: str) -> None:
-    """ValueError (before any launch) when `num_tokens` tokens of one rank do not fit one call."""
+    """ValueError when `num_tokens` tokens of one rank do not fit one call."""
     if num_tokens > capacity:
         raise ValueError(f"{what}: {num_tokens} tokens per rank do not fit the RDMA buffer: "
                          f"num_rdma_bytes={rdma_bytes} holds {capacity} ({detail}); internode calls are "
