@@ -15,6 +15,10 @@ EPCOMM_JIT_VERBOSE        0                    1: print every compile / link com
 EPCOMM_JIT_DUMP           (unset)              directory: dump the generated unit, PTX and cubin of each build.
 EPCOMM_JIT_LINEINFO       0                    1: compile with -lineinfo (for profilers).
 EPCOMM_ASSERT_NO_COMPILE  0                    1: a cache miss raises instead of compiling (proves warm paths).
+EPCOMM_NUM_LOCAL_RANKS    (from host names)    ranks per node (NVLink domain); must divide the group size and
+                                               be equal on every rank. Fewer than the ranks of a host make
+                                               it several "nodes" that talk through NVSHMEM puts (e.g. 1 on
+                                               a 2-GPU host tests internode mode).
 """
 from __future__ import annotations
 
@@ -91,3 +95,17 @@ def jit_lineinfo() -> bool:
 
 def assert_no_compile() -> bool:
     return _flag("EPCOMM_ASSERT_NO_COMPILE")
+
+
+def num_local_ranks() -> Optional[int]:
+    """Ranks per node forced by EPCOMM_NUM_LOCAL_RANKS, or None (derive it from the hosts)."""
+    value = _get("EPCOMM_NUM_LOCAL_RANKS")
+    if value is None:
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        raise ValueError(f"EPCOMM_NUM_LOCAL_RANKS must be a positive int, got {value!r}") from None
+    if count < 1:
+        raise ValueError(f"EPCOMM_NUM_LOCAL_RANKS must be a positive int, got {value!r}")
+    return count

@@ -36,6 +36,22 @@ def local_rank_count(host_keys: List[str]) -> int:
     return runs[0][1]
 
 
+def resolve_local_ranks(host_keys: List[str], overrides: List[Optional[int]]) -> int:
+    """Ranks per node: from the hosts, or EPCOMM_NUM_LOCAL_RANKS (`overrides`, by rank), which must
+    be equal on every rank and cut each host into whole nodes (a node never spans hosts: its ranks
+    talk over NVLink)."""
+    per_host = local_rank_count(host_keys)
+    if len(set(overrides)) != 1:
+        raise ValueError(f"EPCOMM_NUM_LOCAL_RANKS must be equal on every rank, got {overrides} (by rank)")
+    forced = overrides[0]
+    if forced is None:
+        return per_host
+    if per_host % forced:
+        raise ValueError(f"EPCOMM_NUM_LOCAL_RANKS={forced} must divide the {per_host} ranks of each host "
+                         f"(and so the {len(host_keys)} ranks of the group)")
+    return forced
+
+
 class GpuBackend(Backend):
     def __init__(self, group, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool,
                  options: dict):
@@ -58,14 +74,15 @@ class GpuBackend(Backend):
         self.timeout_ns = int(env.timeout_s() * 1e9)
         self.nvl = self.rdma = self._ll = None
 
-        local_error, status = None, None
+        local_error, status, forced_local_ranks = None, None, None
         try:
+            forced_local_ranks = env.num_local_ranks()
             self.arch = device_arch(self.device_index)
             status = StatusRecord(self.device, on_failure=self._on_peer_failure)
         except Exception as e:  # re-raised below, after the other ranks have heard of it
             local_error = e
         mine = (host_key(), num_nvl_bytes, num_rdma_bytes, self.low_latency_mode,
-                repr(local_error) if local_error else None)
+                repr(local_error) if local_error else None, forced_local_ranks)
         facts = [None] * self.num_ranks
         dist.all_gather_object(facts, mine, group=group)
         if local_error is not None:
@@ -79,7 +96,11 @@ class GpuBackend(Backend):
                 status.free()
                 raise ValueError(f"{what} must be equal on every rank, got "
                                  f"{[f[index] for f in facts]} (by rank)")
-        self.num_local_ranks = local_rank_count([f[0] for f in facts])
+        try:
+            self.num_local_ranks = resolve_local_ranks([f[0] for f in facts], [f[5] for f in facts])
+        except ValueError:
+            status.free()
+            raise
 
         self.status = status
         # NVSHMEM init and allocation failures raise on every rank at the same point, so what was
@@ -163,9 +184,8 @@ class GpuBackend(Backend):
     def _normal_mode(self):
         self._require_usable()
         if self.num_ranks > self.num_local_ranks:
-            raise NotImplementedError(
-                "internode normal mode (NVLink + RDMA forwarding) is not implemented yet: this group "
-                f"spans {self.num_ranks // self.num_local_ranks} nodes of {self.num_local_ranks} ranks")
+            from .ops import internode
+            return internode
         from .ops import intranode
         return intranode
 

@@ -63,13 +63,9 @@ def test_config_size_hints_delegate(monkeypatch):
 
 
 def test_config_rdma_hint_beyond_one_domain():
-    try:
-        import epcomm.ops.internode  # noqa: F401
-    except ModuleNotFoundError:
-        with pytest.raises(NotImplementedError, match="internode mode"):
-            Config().get_rdma_buffer_size_hint(7168 * 2, 16)
-    else:
-        assert Config().get_rdma_buffer_size_hint(7168 * 2, 16) > 0
+    from epcomm.ops import internode_plan
+    hint = Config().get_rdma_buffer_size_hint(7168 * 2, 16)
+    assert hint == internode_plan.rdma_size_hint(Config(), 7168 * 2, 16) and hint % 128 == 0
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 5, 8, 9, 16, 100, 160, 1000])

@@ -14,6 +14,7 @@ from ..runtime.compiler import KernelSource
 OPS_MODULES = (
     "epcomm.ops.layout",
     "epcomm.ops.intranode",
+    "epcomm.ops.internode",
     "epcomm.ops.low_latency",
 )
 

@@ -6,8 +6,8 @@ definition. Calls are collective: every rank of the group makes the same calls i
 Everything is synchronous; there are no streams, so the GPU-only knobs (config, events) are
 accepted and have no effect.
 
-num_local_ranks (ranks of one "node"): options["num_local_ranks"], else the LOCAL_WORLD_SIZE of
-torchrun (capped at the group size), else the whole group. With fewer local ranks than ranks the
+num_local_ranks (ranks of one "node"): options["num_local_ranks"], else EPCOMM_NUM_LOCAL_RANKS, else
+the LOCAL_WORLD_SIZE of torchrun (capped at the group size), else the whole group. With fewer local ranks than ranks the
 internode semantics apply: layout returns num_tokens_per_rdma_rank and dispatch the 10-tuple
 handle (see handles.py for both handle layouts).
 """
@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import env
 from ..backend import Backend, DispatchResult
 from . import handles, oracle
 from .exchange import all_gather_optional
@@ -28,6 +29,8 @@ from .low_latency import LowLatencyState
 
 def _num_local_ranks(options: dict, num_ranks: int) -> int:
     value = options.get("num_local_ranks")
+    if value is None:
+        value = env.num_local_ranks()
     if value is None:
         # torchrun's own variable (not an epcomm knob): ranks per node
         local_world = os.environ.get("LOCAL_WORLD_SIZE")
@@ -114,7 +117,8 @@ class ReferenceBackend(Backend):
         weights = self._gather(None if topk_weights is None else topk_weights[:valid],
                                "topk_weights")
         return oracle.combine(xs, self._gather(routing.is_token_in_rank, "is_token_in_rank"),
-                              self.rank, weights, bias)
+                              self.rank, weights, bias,
+                              num_local_ranks=self.num_local_ranks if self.is_internode else 1)
 
     # ---- low-latency mode (low_latency.py) ------------------------------------------------
     def low_latency_dispatch(self, *args, **kwargs):

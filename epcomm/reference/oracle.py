@@ -7,6 +7,8 @@ Written for obviousness, not speed. All tensors are CPU tensors.
 
 Definitions fixed here (where DeepEP leaves room):
   * received rows of normal dispatch are grouped by source rank ascending, source token order within;
+  * internode normal combine (num_local_ranks L < R) sums per node: a partial of the node's ranks
+    ascending (from 0), then bias0 + bias1 + the partials of the nodes the token reached, ascending;
   * low-latency rows of one expert: sources ascending, each source's tokens ascending (a token that
     names the same expert in several top-k slots is sent once per slot);
   * rows beyond the valid ones are zero (data, scales), -1 (source indices) and -1 / 0 (top-k);
@@ -142,14 +144,17 @@ def dispatch(xs, x_scales, topk_idxs, topk_weights, is_token_in_ranks, num_exper
     return result
 
 
-def combine(xs, is_token_in_ranks, rank, topk_weights=None, bias=(None, None)):
+def combine(xs, is_token_in_ranks, rank, topk_weights=None, bias=(None, None), num_local_ranks=1):
     """What `rank` gets back from a normal-mode combine.
 
     xs: list over ranks r of rank r's combine input [M_r, H] in its dispatch row order (rows past
     the received ones are ignored); is_token_in_ranks: the dispatch routing of every rank;
     topk_weights: list over r of [M_r, K] or None; bias: a [N, H] tensor or a 2-tuple of them.
+    Order of the fp32 additions: bias0 + bias1, then per node of `num_local_ranks` consecutive
+    ranks (nodes ascending) the node's partial sum (from 0, its ranks ascending), added for the
+    tokens that reached the node; with 1 (intranode) that is ranks ascending, one by one.
     -> (combined_x [N, H] bf16 = unweighted fp32 sum + bias, combined_topk_weights [N, K] f32 or
-    None = sum of the returned weights)."""
+    None = sum of the returned weights, in the same order)."""
     if bias is None or isinstance(bias, torch.Tensor):
         bias = (bias, None)
     mine = is_token_in_ranks[rank]
@@ -161,13 +166,21 @@ def combine(xs, is_token_in_ranks, rank, topk_weights=None, bias=(None, None)):
     weights = None
     if topk_weights is not None:
         weights = torch.zeros(num_tokens, topk_weights[rank].shape[1], dtype=torch.float32)
-    for r in range(len(xs)):
-        first_row = sum(int(is_token_in_ranks[s][:, r].sum()) for s in range(rank))
-        tokens = mine[:, r].nonzero().flatten()
-        rows = first_row + torch.arange(len(tokens))
-        acc[tokens] += xs[r][rows].float()
+    for first in range(0, len(xs), num_local_ranks):
+        node_ranks = range(first, first + num_local_ranks)
+        partial = torch.zeros_like(acc)
+        partial_weights = None if weights is None else torch.zeros_like(weights)
+        for r in node_ranks:
+            first_row = sum(int(is_token_in_ranks[s][:, r].sum()) for s in range(rank))
+            tokens = mine[:, r].nonzero().flatten()
+            rows = first_row + torch.arange(len(tokens))
+            partial[tokens] += xs[r][rows].float()
+            if weights is not None:
+                partial_weights[tokens] += topk_weights[r][rows].float()
+        reached = mine[:, first:first + num_local_ranks].any(1)
+        acc[reached] += partial[reached]
         if weights is not None:
-            weights[tokens] += topk_weights[r][rows].float()
+            weights[reached] += partial_weights[reached]
     return acc.to(torch.bfloat16), weights
 
 

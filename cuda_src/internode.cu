@@ -1,0 +1,194 @@
+// Normal-mode internode dispatch / combine: R = M nodes x L ranks, rank s = (n, l) = n * L + l; the
+// "RDMA peer" of s on node m is (m, l). Transfers between nodes are NVSHMEM puts with a signal (the
+// proxy or IBGDA transport across nodes; P2P stores between PEs of one host); within a node, ranks
+// load / store each other's RDMA buffer through the NVLink mappings (peer_bases).
+//
+// Dispatch (notify_kernel, then dispatch_kernel). Each source s cuts its N tokens into G chunks of
+// ceil(N / G) consecutive tokens. RDMA stage: a token goes ONCE to each node it reaches (never once
+// per rank), as a record in the buffer of s's RDMA peer there, slot [n][i], i = its index among the
+// tokens s sends to that node (send_rdma_head); the record carries the row, scales, top-k, the
+// source index and its row on every local rank of that node (send_nvl_head, -1 = not sent). The
+// records of one chunk are contiguous, so each (node, chunk) is one put-with-signal: signal word
+// [n][g] = epoch. NVLink stage: every rank (m, j) waits for the chunks of every source s in the
+// buffer of (m, s % L) and copies the records that have a row for it, to that row: rows come
+// grouped by source rank ascending, token order within (the contract's order).
+//
+// Combine (combine_kernel). (m, j) pushes each received row over NVLink into the buffer of its
+// source's RDMA peer (m, l), slot [j][n][i] (tagged with this call); (m, l) sums, per record, the
+// rows of local ranks 0..L-1 in that order in fp32 and puts the partial sums (fp32 rows, weights)
+// to the source in chunks with one signal each; the source adds bias0 + bias1 and the partials of
+// nodes 0..M-1 in that order (epcomm.reference.oracle.combine with num_local_ranks = L).
+//
+// One-shot: every call fits the data region (the host checks N against the capacity before the data
+// kernel), so no sender waits for buffer space inside a call. Across calls, `epoch` counts this
+// rank's internode kernels (device-resident, bumped by the last block; equal on every rank since
+// calls are collective), signal words are compared with it (never reset), and no kernel writes
+// anything another rank reads before every rank finished the previous internode kernel (`done`
+// words, NVSHMEM signals). CUDA-graph replays need nothing from the host. Every wait on a peer is
+// bounded (Guard); a size / configuration violation is recorded as kDeviceCheckFailed.
+#include "internode_dispatch.cuh"
+#include "internode_combine.cuh"
+
+namespace epcomm {
+namespace internode {
+
+// ---- notify: exchange counts over NVSHMEM, build the routing tables --------------------------
+// Count row one rank puts into every rank r: [G, N, E_l, 0 | tokens to each rank [R] | this rank's
+// per-expert counts of r's experts [E_l] | chunk prefix toward r's node [G+1]] (notify_ints long,
+// sized for kMaxChunks so that a rank using another G is still read at the right place and caught).
+template <int kRanks, int kLocal>
+__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_constant__ NotifyParams p) {
+    constexpr int kNodes = kRanks / kLocal;
+    using H = Header<kRanks, kNodes>;
+    __shared__ char *peers[kRanks];
+    __shared__ int sent[kRanks];
+    __shared__ int block_ok;
+    const int warp = warp_id(), lane = lane_id(), num_warps = kNotifyThreads / 32;
+    const Call call = begin_call<kRanks, kLocal>(peers, p);
+    char *base = call.base;
+    const unsigned long long epoch = call.epoch;
+    const Guard &guard = call.guard;
+    const int n = p.num_tokens, tpc = p.tokens_per_chunk, stride = p.num_chunks + 1, num_le = p.num_local_experts;
+    const int ints = p.notify_ints;
+
+    // One warp per node (send_rdma_head, chunk prefix) and per rank (send_nvl_head without its
+    // offset, totals), scanning the tokens 32 at a time.
+    for (int w = warp; w < kNodes + kRanks; w += num_warps) {
+        const bool per_node = w < kNodes;
+        const int target = per_node ? w : w - kNodes;
+        int running = 0;
+        for (int first = 0; first < n; first += 32) {
+            const int t = first + lane;
+            bool in = false;
+            if (t < n) {
+                const bool *row = p.is_token_in_rank + (long long)t * kRanks;
+                if (per_node) {
+                    for (int j = 0; j < kLocal; ++j) in |= row[target * kLocal + j];
+                } else {
+                    in = row[target];
+                }
+            }
+            const unsigned mask = __ballot_sync(0xffffffffu, in);
+            const int index = running + __popc(mask & ((1u << lane) - 1u));
+            if (t < n) {
+                if (per_node) {
+                    p.send_rdma_head[(long long)t * kNodes + target] = in ? index : -1;
+                    if (t % tpc == 0) p.rdma_channel_prefix[target * stride + t / tpc] = index;
+                } else {
+                    p.send_nvl_head[(long long)t * kRanks + target] = in ? index : -1;
+                }
+            }
+            running += __popc(mask);
+        }
+        if (per_node) {
+            for (int g = lane; g <= p.num_chunks; g += 32)
+                if ((long long)g * tpc >= n) p.rdma_channel_prefix[target * stride + g] = running;
+        } else if (lane == 0) {
+            sent[target] = running;
+            p.gbl_channel_prefix[target] = running;
+        }
+    }
+    if (!wait_all_idle<kRanks, kNodes>(call, &block_ok)) {
+        kernel_finish<kRanks, kNodes>(call);
+        return;
+    }
+
+    // Stage one row per destination in this rank's buffer, put it with a signal (self included).
+    for (int r = warp; r < kRanks; r += num_warps) {
+        int *row = reinterpret_cast<int *>(base + p.stage_offset) + r * ints;
+        const int r_node = r / kLocal;
+        for (int i = lane; i < ints; i += 32) {
+            int v = 0;
+            if (i == 0) v = p.num_chunks;
+            else if (i == 1) v = n;
+            else if (i == 2) v = num_le;
+            else if (i >= 4 && i < 4 + kRanks) v = sent[i - 4];
+            else if (i >= 4 + kRanks && i < 4 + kRanks + num_le) v = __ldg(p.num_tokens_per_expert + r * num_le + i - 4 - kRanks);
+            else if (i >= 4 + kRanks + num_le && i < 4 + kRanks + num_le + stride)
+                v = p.rdma_channel_prefix[r_node * stride + i - 4 - kRanks - num_le];
+            row[i] = v;
+        }
+        int *dst = reinterpret_cast<int *>(base + p.area_offset) + p.rank * ints;
+        publish_run(reinterpret_cast<char *>(dst), reinterpret_cast<const char *>(row), 4ull * ints,
+                    signal_word(base, H::kNotifySignal, p.rank), epoch, r, false);
+    }
+
+    for (int s = threadIdx.x; s < kRanks; s += kNotifyThreads)
+        if (!wait_at_least(guard, signal_word(base, H::kNotifySignal, s), epoch, s, kPhaseCounts)) block_ok = 0;
+    __syncthreads();
+    if (block_ok) {
+        const int *area = reinterpret_cast<const int *>(base + p.area_offset);
+        auto count = [&](int s, int j) { return __ldcg(area + s * ints + 4 + j); };   // tokens s sends to j
+        // info: max N | rank prefix [i][j] = tokens to j from ranks 0..i | expert counts
+        for (int idx = threadIdx.x; idx < kRanks * kRanks; idx += kNotifyThreads) {
+            const int i = idx / kRanks, j = idx % kRanks;
+            int sum = 0;
+            for (int s = 0; s <= i; ++s) sum += count(s, j);
+            p.info[1 + idx] = sum;
+        }
+        for (int e = threadIdx.x; e < num_le; e += kNotifyThreads) {
+            int sum = 0;
+            for (int s = 0; s < kRanks; ++s) sum += __ldcg(area + s * ints + 4 + kRanks + e);
+            p.info[1 + kRanks * kRanks + e] = sum;
+        }
+        for (int idx = threadIdx.x; idx < kRanks * stride; idx += kNotifyThreads)
+            p.recv_rdma_channel_prefix[idx] = __ldcg(area + (idx / stride) * ints + 4 + kRanks + num_le + idx % stride);
+        if (threadIdx.x == 0) {
+            int max_tokens = 0, rows = 0;
+            for (int s = 0; s < kRanks; ++s) {
+                max_tokens = max(max_tokens, __ldcg(area + s * ints + 1));
+                if (__ldcg(area + s * ints) != p.num_chunks || __ldcg(area + s * ints + 2) != num_le)
+                    guard.violation(s, kPhaseConfigMismatch);
+                p.recv_gbl_channel_prefix[s] = rows;
+                rows += count(s, p.rank);
+                p.recv_gbl_rank_prefix_sum[s] = rows;
+                if (s % kLocal == kLocal - 1) p.recv_rdma_rank_prefix_sum[s / kLocal] = rows;
+            }
+            p.info[0] = max_tokens;
+        }
+        // send_nvl_head: add the rows that lower ranks send to each destination before this one.
+        for (int j = threadIdx.x; j < kRanks; j += kNotifyThreads) {
+            int before = 0;
+            for (int s = 0; s < p.rank; ++s) before += count(s, j);
+            sent[j] = before;   // the totals were published above; reuse the slots
+        }
+        __syncthreads();
+        for (long long idx = threadIdx.x; idx < (long long)n * kRanks; idx += kNotifyThreads) {
+            const int head = p.send_nvl_head[idx];
+            if (head >= 0) p.send_nvl_head[idx] = head + sent[idx % kRanks];
+        }
+    }
+    kernel_finish<kRanks, kNodes>(call);
+}
+
+// ---- dispatch and combine (their warps: internode_dispatch.cuh, internode_combine.cuh) ---------
+template <int kRanks, int kLocal, int kRowInt4, int kScales, typename IdxT, bool kFresh>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ DispatchParams p) {
+    using D = Dispatch<kRanks, kLocal, kRowInt4, kScales, IdxT, kFresh>;
+    __shared__ char *peers[kRanks];
+    __shared__ int block_ok;
+    const Call call = begin_call<kRanks, kLocal>(peers, p);
+    if (wait_all_idle<kRanks, D::kNodes>(call, &block_ok)) {
+        D::send(p, call);
+        D::receive(p, peers, call);
+        D::pad(p);
+    }
+    kernel_finish<kRanks, D::kNodes>(call);
+}
+
+template <int kRanks, int kLocal, int kRowInt4>
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineParams p) {
+    using C = Combine<kRanks, kLocal, kRowInt4>;
+    __shared__ char *peers[kRanks];
+    __shared__ int block_ok;
+    const Call call = begin_call<kRanks, kLocal>(peers, p);
+    if (wait_all_idle<kRanks, C::kNodes>(call, &block_ok)) {
+        C::push(p, peers, call);
+        C::reduce(p, peers, call);
+        C::finish_tokens(p, call);
+    }
+    kernel_finish<kRanks, C::kNodes>(call);
+}
+
+}  // namespace internode
+}  // namespace epcomm

@@ -1,0 +1,295 @@
+"""Normal-mode internode dispatch / combine on the GPU (cuda_src/internode.cu; protocol in its header).
+
+A fresh dispatch is two launches on the current stream: `notify` (exchange counts over NVSHMEM,
+build the routing tables) then the data kernel; with num_worst_tokens == 0 the host reads the
+counts in between (one small D2H copy + stream sync) to size the outputs exactly; with
+num_worst_tokens > 0 nothing touches the host (CUDA-graph capturable). A cached dispatch and a
+combine are one launch. Everything lives in the RDMA buffer (num_rdma_bytes); calls are one-shot:
+every rank's N must fit the capacity internode_plan computes (ValueError before the data kernel:
+before any launch with num_worst_tokens (this rank's N), after notify in exact mode (the largest N
+of all ranks, so every rank raises alike)).
+
+Handle (10-tuple), int32 CUDA tensors except element 0 (M nodes, L ranks per node, G chunks):
+  0 is_token_in_rank [N, R] bool, as given
+  1 rdma_channel_prefix [M, G+1]: [m][g] = tokens of chunks < g this rank sends to node m ([m][G]: all)
+  2 gbl_channel_prefix [R, 1]: tokens this rank sends to each rank
+  3 recv_rdma_channel_prefix [R, G+1]: row s = rank s's rdma_channel_prefix row for this rank's node
+  4 recv_rdma_rank_prefix_sum [M]: inclusive prefix of rows received from nodes 0..n
+  5 recv_gbl_channel_prefix [R, 1]: first row received from each source rank
+  6 recv_gbl_rank_prefix_sum [R]: inclusive prefix of rows received from ranks 0..s (the contract's)
+  7 recv_src_meta [M_out, 3]: (source rank, source token, index of the token among those its source
+    sends to this node), -1 on padding rows
+  8 send_rdma_head [N, M]: index of token t among this rank's tokens that go to node m, or -1
+  9 send_nvl_head [N, R]: row of token t on rank r, or -1
+G comes from Config.num_sms (internode_plan.num_chunks) and must be equal on every rank.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Tuple
+
+import torch
+
+from ..backend import DispatchResult
+from ..runtime.arch import device_arch
+from ..runtime.compiler import KernelSource
+from ..runtime.module import get_kernel
+from ..runtime.status import register_op
+from . import internode_plan as plan
+# Argument helpers shared with the intranode launcher (same conventions for tensors and launches).
+from .intranode import _INDEX_TYPES, _aligned, _ptr
+
+DISPATCH_OP = register_op("internode dispatch", plan.PHASES)
+COMBINE_OP = register_op("internode combine", plan.PHASES)
+
+
+def rdma_size_hint(config, hidden_bytes: int, num_ranks: int) -> int:
+    return plan.rdma_size_hint(config, hidden_bytes, num_ranks)
+
+
+def representative_sources() -> List[KernelSource]:
+    """For --precompile: H = 7168 on 2 nodes of 1 rank (the 2-GPU test machine) and 2 nodes of 8;
+    BF16 and FP8 (56 scales), both index types, fresh and cached dispatch, combine."""
+    names = [plan.notify_kernel(2, 1), plan.notify_kernel(16, 8),
+             plan.dispatch_kernel(2, 1, 7168 * 2, 0, "long long", True),
+             plan.dispatch_kernel(2, 1, 7168, 56, "int", True),
+             plan.dispatch_kernel(2, 1, 7168 * 2, 0, "int", False),
+             plan.dispatch_kernel(16, 8, 7168 * 2, 0, "long long", True),
+             plan.combine_kernel(2, 1, 7168 * 2), plan.combine_kernel(16, 8, 7168 * 2)]
+    return [_source(name) for name in names]
+
+
+def _source(name: str) -> KernelSource:
+    return KernelSource("internode.cu", (name,), uses_nvshmem=True)
+
+
+def _kernel(gb, name: str):
+    """The kernel for the device's feature set, read per call so EPCOMM_ARCH=sm80 can be set late."""
+    return get_kernel(_source(name), 0, gb.device_index, device_arch(gb.device_index).feature)
+
+
+# ---- checks ----------------------------------------------------------------------------------
+def _check_buffer(gb, config, what: str) -> None:
+    rdma = gb.rdma
+    if rdma is None:
+        raise ValueError(f"{what}: internode mode needs an RDMA buffer; build the Buffer with "
+                         f"num_rdma_bytes > 0 (Config.get_rdma_buffer_size_hint)")
+    if gb.low_latency_mode:
+        raise NotImplementedError(f"{what}: internode normal mode on a low_latency_mode Buffer (both "
+                                  f"lay out the RDMA buffer); use a separate Buffer for each mode")
+    if config.num_sms > gb.arch.num_sms:
+        raise ValueError(f"{what}: Config.num_sms={config.num_sms} exceeds the device's "
+                         f"{gb.arch.num_sms} SMs")
+    node = gb.rank // gb.num_local_ranks
+    local = range(node * gb.num_local_ranks, (node + 1) * gb.num_local_ranks)
+    unreachable = [r for r in local if not rdma.peer_ptrs[r]]
+    if unreachable:
+        raise ValueError(f"{what}: ranks {unreachable} of this node are not reachable over NVLink/P2P "
+                         f"from rank {gb.rank}; a node's ranks must share an NVLink domain")
+
+
+def _check_notify_fits(gb, num_local_experts: int, what: str) -> None:
+    num_nodes = gb.num_ranks // gb.num_local_ranks
+    end = plan.notify_offsets(gb.num_ranks, num_nodes, num_local_experts)[2]
+    if end > gb.rdma.nbytes:
+        raise ValueError(f"{what}: num_rdma_bytes={gb.rdma.nbytes} is smaller than the {end} bytes the "
+                         f"count exchange of {gb.num_ranks} ranks needs (Config.get_rdma_buffer_size_hint)")
+
+
+# Per RDMA buffer: [R] int64 device table of every rank's copy as this process addresses it. The
+# kernels take their own entry as `base` and hand addresses derived from it to NVSHMEM puts, which
+# translate them relative to the symmetric heap: so the own entry is the heap address itself
+# (buffer.ptr), whatever mapping nvshmem_ptr gives for this PE.
+_PEER_BASES: Dict[int, Tuple[object, torch.Tensor]] = {}
+
+
+def _peer_bases(gb) -> int:
+    rdma = gb.rdma
+    entry = _PEER_BASES.get(id(rdma))
+    if entry is None or entry[0]() is not rdma:
+        bases = list(rdma.peer_ptrs)
+        bases[gb.rank] = rdma.ptr
+        entry = _PEER_BASES[id(rdma)] = (weakref.ref(rdma), torch.tensor(bases, dtype=torch.int64, device=gb.device))
+    return entry[1].data_ptr()
+
+
+def _dispatch_layout(gb, row_bytes: int, num_scales: int, num_topk: int) -> plan.DispatchLayout:
+    record = plan.dispatch_record_bytes(row_bytes, num_scales, num_topk, gb.num_local_ranks)
+    return plan.DispatchLayout(gb.rdma.nbytes, gb.num_ranks, gb.num_local_ranks, record)
+
+
+def _launch(gb, kernel, grid: int, threads: int, params) -> None:
+    kernel.launch((grid, 1, 1), (threads, 1, 1), params, torch.cuda.current_stream(gb.device_index).cuda_stream)
+
+
+# ---- dispatch --------------------------------------------------------------------------------
+def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+             num_worst_tokens, config) -> DispatchResult:
+    """Backend.dispatch for ranks over several nodes (arguments validated by Buffer)."""
+    what, fresh = "dispatch", handle is None
+    num_ranks, num_local, device = gb.num_ranks, gb.num_local_ranks, gb.device
+    _check_buffer(gb, config, what)
+    if fresh and num_worst_tokens == 0 and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what}: an exact-size dispatch reads the received counts on the host, "
+                           f"which a CUDA graph cannot capture; pass num_worst_tokens > 0 (or a "
+                           f"cached handle) under capture")
+    x, topk_idx, topk_weights = (_aligned(t) for t in (x, topk_idx, topk_weights))   # scales: scalar loads
+    (num_tokens, hidden), num_scales = x.shape, 0 if x_scales is None else x_scales.shape[1]
+    row_bytes = hidden * x.element_size()
+
+    if fresh:
+        num_local_experts = num_tokens_per_expert.shape[0] // num_ranks
+        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
+        index_type = _INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
+        layout = _dispatch_layout(gb, row_bytes, num_scales, num_topk)
+        _check_notify_fits(gb, num_local_experts, what)
+        if num_worst_tokens > 0:
+            # Only this rank's N is known without a host read (exact mode checks the N of every
+            # rank after notify, so all ranks raise together there).
+            plan.check_capacity(what, num_tokens, layout.capacity, gb.rdma.nbytes,
+                                f"{layout.record_bytes}-byte records")
+        chunks = plan.num_chunks(config.num_sms)
+        tables = _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts)
+        expert_counts: List[int] = []
+        if num_worst_tokens > 0:
+            num_out_rows = num_worst_tokens
+        else:
+            num_out_rows, expert_counts = _read_counts(gb, tables["info"], num_local_experts,
+                                                       expert_alignment, layout, what)
+        handle = (is_token_in_rank, tables["rdma_channel_prefix"], tables["gbl_channel_prefix"],
+                  tables["recv_rdma_channel_prefix"], tables["recv_rdma_rank_prefix_sum"],
+                  tables["recv_gbl_channel_prefix"], tables["recv_gbl_rank_prefix_sum"],
+                  torch.empty((num_out_rows, 3), dtype=torch.int32, device=device),
+                  tables["send_rdma_head"], tables["send_nvl_head"])
+    else:
+        if handle[0].shape[0] != num_tokens:
+            raise ValueError(f"{what}: x has {num_tokens} rows, the handle's is_token_in_rank "
+                             f"{handle[0].shape[0]}")
+        num_local_experts, num_topk, index_type = 0, 0, "int"
+        topk_idx = topk_weights = None
+        num_out_rows = handle[7].shape[0]   # exact M, or num_worst_tokens of the fresh call
+        chunks = handle[1].shape[1] - 1
+        layout = _dispatch_layout(gb, row_bytes, num_scales, 0)
+        plan.check_capacity(what, num_tokens, layout.capacity, gb.rdma.nbytes,
+                            f"{layout.record_bytes}-byte records")
+    name = plan.dispatch_kernel(num_ranks, num_local, row_bytes, num_scales, index_type, fresh)
+    kernel = _kernel(gb, name)
+
+    recv_x = torch.empty((num_out_rows, hidden), dtype=x.dtype, device=device)
+    recv_scales = None if x_scales is None else \
+        torch.empty((num_out_rows, num_scales), dtype=torch.float32, device=device)
+    recv_topk_idx = recv_topk_weights = None
+    if fresh and num_topk:
+        recv_topk_idx = torch.empty((num_out_rows, num_topk), dtype=topk_idx.dtype, device=device)
+        recv_topk_weights = torch.empty((num_out_rows, num_topk), dtype=torch.float32, device=device)
+
+    params = plan.DispatchParams(
+        x=_ptr(x), x_scales=_ptr(x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+        rdma_channel_prefix=handle[1].data_ptr(), recv_rdma_channel_prefix=handle[3].data_ptr(),
+        recv_gbl_rank_prefix_sum=handle[6].data_ptr(), send_rdma_head=_ptr(handle[8]),
+        send_nvl_head=_ptr(handle[9]), recv_x=_ptr(recv_x), recv_x_scales=_ptr(recv_scales),
+        recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
+        recv_src_meta=_ptr(handle[7]) if fresh else 0,
+        peer_bases=_peer_bases(gb), err=gb.status.device_ptr,
+        scale_stride_token=x_scales.stride(0) if x_scales is not None else 0,
+        scale_stride_group=x_scales.stride(1) if x_scales is not None else 0,
+        timeout_ns=gb.timeout_ns, recv_offset=layout.recv_offset, stage_offset=layout.stage_offset,
+        capacity=layout.capacity, record_bytes=layout.record_bytes, num_tokens=num_tokens,
+        num_chunks=chunks, tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
+        num_topk=num_topk, num_local_experts=num_local_experts, num_out_rows=num_out_rows,
+        rank=gb.rank, op=DISPATCH_OP)
+    _launch(gb, kernel, config.num_sms, plan.THREADS, params)
+
+    if not fresh:
+        return DispatchResult(recv_x, recv_scales, None, None, None, None)
+    return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
+
+
+def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts) -> dict:
+    """Launch the notify kernel; its output tensors by name."""
+    num_ranks, num_local, device = gb.num_ranks, gb.num_local_ranks, gb.device
+    num_nodes = num_ranks // num_local
+    num_tokens = is_token_in_rank.shape[0]
+
+    def ints(*shape):
+        return torch.empty(shape, dtype=torch.int32, device=device)
+
+    out = dict(info=ints(1 + num_ranks * num_ranks + num_local_experts),
+               rdma_channel_prefix=ints(num_nodes, chunks + 1), gbl_channel_prefix=ints(num_ranks, 1),
+               recv_rdma_channel_prefix=ints(num_ranks, chunks + 1),
+               recv_rdma_rank_prefix_sum=ints(num_nodes), recv_gbl_channel_prefix=ints(num_ranks, 1),
+               recv_gbl_rank_prefix_sum=ints(num_ranks), send_rdma_head=ints(num_tokens, num_nodes),
+               send_nvl_head=ints(num_tokens, num_ranks))
+    area, stage, _ = plan.notify_offsets(num_ranks, num_nodes, num_local_experts)
+    params = plan.NotifyParams(
+        is_token_in_rank=_ptr(is_token_in_rank), num_tokens_per_expert=_ptr(num_tokens_per_expert),
+        peer_bases=_peer_bases(gb), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
+        area_offset=area, stage_offset=stage, num_tokens=num_tokens, num_chunks=chunks,
+        tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
+        num_local_experts=num_local_experts, notify_ints=plan.notify_ints(num_ranks, num_local_experts),
+        rank=gb.rank, op=DISPATCH_OP, **{k: _ptr(v) for k, v in out.items()})
+    _launch(gb, _kernel(gb, plan.notify_kernel(num_ranks, num_local)), 1, plan.NOTIFY_THREADS, params)
+    return out
+
+
+def _host_ints(gb, ints: torch.Tensor) -> List[int]:
+    """The values of a device int32 tensor once the stream got there (a GPU failure recorded by
+    then raises first: PeerTimeout / DeviceCheckFailed)."""
+    pinned = torch.empty(ints.shape, dtype=torch.int32, pin_memory=True)
+    pinned.copy_(ints, non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    gb.check_errors()
+    return pinned.tolist()
+
+
+def _read_counts(gb, info, num_local_experts, expert_alignment, layout, what):
+    """Exact mode: wait for notify, read the counts. Every rank reads the same N max, so the
+    capacity check raises on all ranks alike (ranks with different Config.num_sms or num_experts
+    were recorded by the notify kernel: check_errors raises that)."""
+    num_ranks, values = gb.num_ranks, _host_ints(gb, info)
+    plan.check_capacity(what, values[0], layout.capacity, gb.rdma.nbytes,
+                        f"{layout.record_bytes}-byte records; the largest N of all ranks")
+    num_recv = values[1 + (num_ranks - 1) * num_ranks + gb.rank]
+    experts = values[1 + num_ranks * num_ranks:]
+    align = expert_alignment
+    return num_recv, [(c + align - 1) // align * align for c in experts]
+
+
+# ---- combine ---------------------------------------------------------------------------------
+def combine(gb, x, handle, topk_weights, bias, config):
+    """Backend.combine: unweighted fp32 sum of the rows each token sent out, plus bias (local ranks
+    summed per node first, then nodes ascending: epcomm.reference.oracle.combine)."""
+    what = "combine"
+    num_ranks, num_local, device = gb.num_ranks, gb.num_local_ranks, gb.device
+    _check_buffer(gb, config, what)
+    is_token_in_rank, rdma_channel_prefix = handle[0], handle[1]
+    num_tokens, hidden = is_token_in_rank.shape[0], x.shape[1]
+    if x.shape[0] != handle[7].shape[0]:
+        raise ValueError(f"{what}: x has {x.shape[0]} rows, the handle's dispatch received "
+                         f"{handle[7].shape[0]}")
+    x, topk_weights = _aligned(x.contiguous()), _aligned(topk_weights)
+    bias0, bias1 = (_aligned(b) for b in bias)
+    num_topk = 0 if topk_weights is None else topk_weights.shape[1]
+    layout = plan.CombineLayout(gb.rdma.nbytes, num_ranks, num_local, hidden * 2, num_topk)
+    plan.check_capacity(what, num_tokens, layout.capacity, gb.rdma.nbytes,
+                        f"{layout.push_bytes}-byte rows per local rank and {layout.partial_bytes}-byte "
+                        f"partial sums")
+    kernel = _kernel(gb, plan.combine_kernel(num_ranks, num_local, hidden * 2))
+
+    combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
+    combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device) \
+        if num_topk else None
+    params = plan.CombineParams(
+        x=_ptr(x), topk_weights=_ptr(topk_weights), bias0=_ptr(bias0), bias1=_ptr(bias1),
+        recv_src_meta=_ptr(handle[7]), recv_gbl_rank_prefix_sum=handle[6].data_ptr(),
+        recv_rdma_channel_prefix=handle[3].data_ptr(), send_rdma_head=_ptr(handle[8]),
+        combined_x=_ptr(combined_x), combined_weights=_ptr(combined_weights),
+        peer_bases=_peer_bases(gb), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
+        push_offset=layout.push_offset, partial_stage_offset=layout.partial_stage_offset,
+        partial_recv_offset=layout.partial_recv_offset, capacity=layout.capacity,
+        push_bytes=layout.push_bytes, partial_bytes=layout.partial_bytes,
+        chunk_records=layout.chunk_records, num_tokens=num_tokens,
+        num_chunks=rdma_channel_prefix.shape[1] - 1, num_topk=num_topk, rank=gb.rank, op=COMBINE_OP)
+    _launch(gb, kernel, config.num_sms, plan.THREADS, params)
+    return combined_x, combined_weights

@@ -1,0 +1,355 @@
+"""Internode dispatch / combine on GPUs through the public Buffer API, against epcomm.reference.oracle.
+
+Collective: run under torchrun (`make test-gpu`). EPCOMM_NUM_LOCAL_RANKS cuts the GPUs of one host
+into "nodes" (set while each Buffer is built): with L = 1 on the 2-GPU machine every GPU is a node,
+so every transfer between ranks goes through NVSHMEM put-with-signal (P2P transport between PEs of
+one host) and the NVLink stage is the degenerate own-buffer case. L = 2 with M >= 2 (4+ GPUs)
+exercises the NVLink pull / push between local ranks; those cases skip on fewer GPUs.
+
+Inputs of every rank are rebuilt on every rank from (seed, rank) on the CPU (helpers shared with
+test_intranode_gpu.py); dispatch is bit-exact against the oracle, combine bit-exact against
+oracle.combine(num_local_ranks=L) (the kernels' fp32 order) and within calc_diff < 5e-6 of
+x * (ranks each token reached) on the round trip.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import List
+
+import pytest
+import torch
+
+import epcomm
+from epcomm.errors import BufferUnusable, PeerTimeout
+from epcomm.ops import internode_plan as plan
+from epcomm.reference import oracle
+from tests.conftest import on_all_ranks
+from tests.test_intranode_gpu import calc_diff, check, dev, make_inputs, row_diff
+
+pytestmark = pytest.mark.gpu
+HIDDEN = 7168
+
+
+def with_env(name: str, value: str, build):
+    """build() with os.environ[name] = value, restored afterwards."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return build()
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+def make_buffer(dist_env, local: int, rdma_bytes: int = 256 << 20, timeout_s: str = ""):
+    def build():
+        return epcomm.Buffer(dist_env.group, num_nvl_bytes=1 << 20, num_rdma_bytes=rdma_bytes,
+                             explicitly_destroy=True)
+    if timeout_s:
+        return with_env("EPCOMM_NUM_LOCAL_RANKS", str(local),
+                        lambda: with_env("EPCOMM_TIMEOUT_S", timeout_s, build))
+    return with_env("EPCOMM_NUM_LOCAL_RANKS", str(local), build)
+
+
+def release(dist_env, buf) -> None:
+    torch.cuda.synchronize()
+    dist_env.barrier()
+    buf.destroy()
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["L1", "L2"])
+def setup(dist_env, request):
+    """(Buffer, L): nodes of L ranks; L = 2 needs 2 nodes of 2 GPUs."""
+    local, world = request.param, dist_env.world_size
+    if world % local or world // local < 2:
+        pytest.skip(f"needs at least 2 nodes of {local} ranks ({2 * local}+ GPUs, a multiple of {local}); "
+                    f"this run has {world}")
+    # 1 GiB: the round trip's 4096 tokens per rank fit combine's capacity (fp32 partials, L pushed
+    # rows per token and node: ~143 KB per token at H = 7168, L = 1, M = 2).
+    buf = make_buffer(dist_env, local, rdma_bytes=1 << 30)
+    assert buf.runtime.get_num_rdma_ranks() == world // local
+    yield buf, local
+    release(dist_env, buf)
+
+
+def inputs_for(dist_env, local: int, ns, **kw):
+    """Every rank's inputs with the internode layout (num_tokens_per_rdma_rank for L)."""
+    world = dist_env.world_size
+    out = []
+    for r in range(world):
+        inp = make_inputs(rank=r, num_tokens=ns[r % len(ns)], num_ranks=world, **kw)
+        inp.layout = oracle.layout(inp.topk_idx.long(), kw["num_experts"], world, local)
+        out.append(inp)
+    return out
+
+
+def run_dispatch(buf, inp, device, fp8: bool, config=None, **kw):
+    x = (dev(inp.x_fp8, device), dev(inp.scales, device)) if fp8 else dev(inp.x, device)
+    per_rank, per_node, per_expert, in_rank = (dev(t, device) for t in inp.layout)
+    return buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=dev(inp.topk_idx, device), topk_weights=dev(inp.topk_weights, device),
+                        config=config, **kw)
+
+
+def expected(inputs, rank, experts, fp8, alignment=1, num_worst_tokens=0, data=None, use_topk=True):
+    data = data or inputs
+    return oracle.dispatch([i.x_fp8 if fp8 else i.x for i in data], [i.scales for i in data] if fp8 else None,
+                           [i.topk_idx for i in inputs] if use_topk else None,
+                           [i.topk_weights for i in inputs] if use_topk else None,
+                           [i.layout[3] for i in inputs], experts, rank, alignment, num_worst_tokens,
+                           [i.layout[2] for i in inputs])
+
+
+def dispatch_errors(got, want, fp8: bool, rank: int, inputs, use_topk=True) -> List[str]:
+    recv_x, recv_topk_idx, recv_topk_weights, counts, handle, _ = got
+    src = want["recv_src_idx"]
+    errors = [row_diff("recv_x (fp8)", recv_x[0], want["recv_x"], src),
+              row_diff("recv_x_scales", recv_x[1], want["recv_x_scales"], src)] if fp8 else \
+        [row_diff("recv_x", recv_x, want["recv_x"], src)]
+    if use_topk:
+        errors += [row_diff("recv_topk_idx", recv_topk_idx, want["recv_topk_idx"], src),
+                   row_diff("recv_topk_weights", recv_topk_weights, want["recv_topk_weights"], src)]
+    if handle is not None:
+        received = torch.tensor([int(i.layout[3][:, rank].sum()) for i in inputs])
+        sources = torch.repeat_interleave(torch.arange(len(inputs)), received).int()
+        meta = handle[7].cpu()
+        errors += [row_diff("handle[6] recv_gbl_rank_prefix_sum", handle[6], received.cumsum(0).int()),
+                   row_diff("handle[7][:, 0] source rank", meta[:len(sources), 0].contiguous(), sources),
+                   row_diff("handle[7][:, 1] source token", meta[:, 1].contiguous(), src)]
+        if counts != want["num_recv_tokens_per_expert_list"]:
+            errors.append(f"num_recv_tokens_per_expert_list: got {counts}, want "
+                          f"{want['num_recv_tokens_per_expert_list']}")
+    return errors
+
+
+def combine_inputs(inputs, world, experts):
+    """Per rank: its oracle recv rows scaled by (rank + 1) (distinct per source), and its weights."""
+    xs, ws = [], []
+    for r in range(world):
+        want = expected(inputs, r, experts, False)
+        xs.append((want["recv_x"].float() * (r + 1)).to(torch.bfloat16))
+        ws.append(want["recv_topk_weights"])
+    return xs, ws
+
+
+def combine_errors(dist_env, buf, got, inputs, local: int, experts: int, bias=None, config=None) -> List[str]:
+    """Combine of distinct per-rank rows (combine_inputs) through `got`'s handle vs the oracle,
+    bit-exact (the kernels sum in oracle.combine's order for nodes of `local` ranks)."""
+    rank, device = dist_env.rank, dist_env.device
+    xs, ws = combine_inputs(inputs, dist_env.world_size, experts)
+    on_device = None if bias is None else tuple(dev(b, device) for b in bias)
+    combined, weights, _ = buf.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device),
+                                       bias=on_device, config=config)
+    want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws,
+                                    (None, None) if bias is None else bias, num_local_ranks=local)
+    return [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w)]
+
+
+def round_trip_errors(combined, weights, mine) -> List[str]:
+    """combine(dispatch(x)) == x * (ranks the token reached) within calc_diff 5e-6; weights back."""
+    reached = mine.layout[3].sum(1, keepdim=True).float()
+    diff = calc_diff(combined.float().cpu(), mine.x.float() * reached)
+    errors = [f"calc_diff {diff} >= 5e-6" if diff >= 5e-6 else ""]
+    if weights is not None:
+        gap = float((weights.cpu() - mine.topk_weights).abs().max()) if weights.numel() else 0.0
+        errors.append(f"weights differ by {gap}" if gap >= 1e-9 else "")
+    return errors
+
+
+# ---- dispatch + cached dispatch + combine ----------------------------------------------------------
+CASES = [  # seed, N by rank, H, K, E, fp8, index dtype, alignment, num_sms
+    (1, (1024,), HIDDEN, 8, 256, False, torch.int64, 1, 24),
+    (2, (1024,), HIDDEN, 8, 256, True, torch.int64, 1, 24),
+    (3, (777, 1500), HIDDEN, 8, 64, False, torch.int32, 128, 8),
+    (4, (333,), 2056, 1, 16, False, torch.int64, 1, 48),
+    (5, (512,), 4096, 32, 64, True, torch.int32, 4, 20),
+]
+
+
+@pytest.mark.parametrize("seed, ns, hidden, topk, experts, fp8, index_dtype, alignment, sms", CASES)
+def test_dispatch_and_combine_match_oracle(dist_env, setup, seed, ns, hidden, topk, experts, fp8,
+                                           index_dtype, alignment, sms):
+    buf, local = setup
+    rank, device = dist_env.rank, dist_env.device
+    kw = dict(hidden=hidden, num_experts=experts, num_topk=topk, fp8=fp8, index_dtype=index_dtype)
+    inputs = inputs_for(dist_env, local, ns, seed=seed, **kw)
+    got = run_dispatch(buf, inputs[rank], device, fp8, config=epcomm.Config(sms), expert_alignment=alignment)
+    check(dist_env, dispatch_errors(got, expected(inputs, rank, experts, fp8, alignment), fp8, rank, inputs),
+          "fresh dispatch")
+
+    new_inputs = inputs_for(dist_env, local, ns, seed=seed + 100, **kw)
+    new_x = (dev(new_inputs[rank].x_fp8, device), dev(new_inputs[rank].scales, device)) if fp8 \
+        else dev(new_inputs[rank].x, device)
+    cached = buf.dispatch(new_x, handle=got[4], config=epcomm.Config(sms))
+    errors = dispatch_errors(cached, expected(inputs, rank, experts, fp8, data=new_inputs, use_topk=False),
+                             fp8, rank, inputs, use_topk=False)
+    errors.append("" if cached[1:5] == (None, None, None, None) else "cached dispatch returned more than recv_x")
+    check(dist_env, errors, "cached dispatch")
+
+    gen = torch.Generator().manual_seed(seed + 7)
+    bias = tuple(torch.randn(len(inputs[rank].x), hidden, generator=gen).to(torch.bfloat16) for _ in range(2))
+    check(dist_env, combine_errors(dist_env, buf, got, inputs, local, experts, bias,
+                                   epcomm.Config(max(2, sms - 4))), "combine with a 2-tuple bias")
+
+
+def test_round_trip_with_gpu_layout(dist_env, setup):
+    """Layout on the GPU, default configs: combine(dispatch(x)) == x * (ranks reached), weights back."""
+    buf, local = setup
+    rank, device = dist_env.rank, dist_env.device
+    mine = inputs_for(dist_env, local, (4096,), seed=11, hidden=HIDDEN, num_experts=256, num_topk=8)[rank]
+    topk_idx, topk_weights = dev(mine.topk_idx, device), dev(mine.topk_weights, device)
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, 256)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+        dev(mine.x, device), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+    combined, weights, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+    check(dist_env, round_trip_errors(combined, weights, mine) +
+          [row_diff("num_tokens_per_rdma_rank", per_node, mine.layout[1])], "round trip")
+
+
+@pytest.mark.parametrize("seed, route, ns", [(21, "nowhere", (600,)), (22, "rank0", (500, 0)),
+                                             (23, "random", (0, 900)), (25, "nowhere", (1, 2, 3))])
+def test_uneven_loads(dist_env, setup, seed, route, ns):
+    """Tokens routed nowhere, ranks receiving nothing, N = 0 on some ranks."""
+    buf, local = setup
+    rank, device = dist_env.rank, dist_env.device
+    inputs = inputs_for(dist_env, local, ns, seed=seed, hidden=HIDDEN, num_experts=64, num_topk=6, route=route)
+    got = run_dispatch(buf, inputs[rank], device, False)
+    check(dist_env, dispatch_errors(got, expected(inputs, rank, 64, False), False, rank, inputs), "dispatch")
+    ones = torch.ones(len(inputs[rank].x), HIDDEN, dtype=torch.bfloat16)
+    check(dist_env, combine_errors(dist_env, buf, got, inputs, local, 64, (ones, None)), "combine")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_num_worst_tokens(dist_env, setup, fp8):
+    buf, local = setup
+    rank, device = dist_env.rank, dist_env.device
+    ns = (900, 400)
+    inputs = inputs_for(dist_env, local, ns, seed=41, hidden=HIDDEN, num_experts=64, num_topk=8, fp8=fp8)
+    num_worst = sum(len(i.x) for i in inputs)
+    got = run_dispatch(buf, inputs[rank], device, fp8, num_worst_tokens=num_worst)
+    want = expected(inputs, rank, 64, fp8, num_worst_tokens=num_worst)
+    errors = dispatch_errors(got, want, fp8, rank, inputs)
+    meta = got[4][7].cpu()
+    num_recv = int(want["recv_src_idx"].ge(0).sum())
+    errors.append("" if bool((meta[num_recv:] == -1).all()) else "padding rows of recv_src_meta are not -1")
+    check(dist_env, errors, "worst dispatch")
+    if not fp8:
+        combined, weights, _ = buf.combine(got[0], got[4], topk_weights=got[2])
+        check(dist_env, round_trip_errors(combined, weights, inputs[rank]), "worst round trip")
+
+
+def test_cuda_graph_replay(dist_env, setup):
+    """Worst-size dispatch + combine captured once, replayed with new data and routing: no host
+    sequence numbers, the kernels' epochs advance on the device."""
+    buf, local = setup
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    ns, experts = (640,), 64
+    num_worst = 640 * world
+
+    def fill(seed):
+        inputs = inputs_for(dist_env, local, ns, seed=seed, hidden=HIDDEN, num_experts=experts, num_topk=8)
+        mine = inputs[rank]
+        for dst, src in zip(static, (mine.x, mine.topk_idx, mine.topk_weights, *mine.layout)):
+            dst.copy_(src)
+        return inputs
+
+    first = inputs_for(dist_env, local, ns, seed=51, hidden=HIDDEN, num_experts=experts, num_topk=8)[rank]
+    static = [dev(t, device) for t in (first.x, first.topk_idx, first.topk_weights, *first.layout)]
+
+    def step():
+        x, idx, w, per_rank, per_node, per_expert, in_rank = static
+        out = buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                           is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+                           topk_weights=w, num_worst_tokens=num_worst)
+        return out, buf.combine(out[0], out[4], topk_weights=out[2])
+
+    fill(51)
+    step()
+    torch.cuda.synchronize()
+    dist_env.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, combined = step()
+    for seed in (52, 53):
+        inputs = fill(seed)
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+        errors = dispatch_errors(out, expected(inputs, rank, experts, False, num_worst_tokens=num_worst), False,
+                                 rank, inputs)
+        check(dist_env, errors + round_trip_errors(combined[0], combined[1], inputs[rank]),
+              f"graph replay seed {seed}")
+
+
+def test_sm80_feature_set(dist_env, setup):
+    """EPCOMM_ARCH=sm80: the kernels built with EPCOMM_FEATURE_SM80 on this GPU."""
+    buf, local = setup
+    rank, device = dist_env.rank, dist_env.device
+
+    def run():
+        from epcomm.runtime.arch import device_arch
+        errors = ["" if device_arch(device.index).feature == 80 else "EPCOMM_ARCH=sm80 was not applied"]
+        for fp8 in (False, True):
+            inputs = inputs_for(dist_env, local, (1000, 300), seed=71, hidden=HIDDEN, num_experts=64, num_topk=8,
+                                fp8=fp8)
+            got = run_dispatch(buf, inputs[rank], device, fp8)
+            errors += dispatch_errors(got, expected(inputs, rank, 64, fp8), fp8, rank, inputs)
+            errors += combine_errors(dist_env, buf, got, inputs, local, 64)
+        return errors
+    check(dist_env, with_env("EPCOMM_ARCH", "sm80", run), "sm80 feature set")
+
+
+# ---- capacity and failures ------------------------------------------------------------------------
+def test_too_many_tokens_raise_before_the_data_kernel(dist_env):
+    """A buffer that holds fewer tokens than N: ValueError on every rank once notify told every rank
+    the largest N (exact mode), nothing written; then a call that fits works."""
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    if world < 2:
+        pytest.skip("needs 2 or more ranks")
+    record = plan.dispatch_record_bytes(HIDDEN * 2, 0, 8, 1)
+    small = plan.header_bytes(world, world) + 2 * world * 64 * record
+    buf = make_buffer(dist_env, 1, rdma_bytes=-(-small // 128) * 128)
+    try:
+        inputs = inputs_for(dist_env, 1, (200,), seed=91, hidden=HIDDEN, num_experts=64, num_topk=8)
+        with pytest.raises(ValueError, match="do not fit the RDMA buffer"):
+            run_dispatch(buf, inputs[rank], device, False)
+        fits = inputs_for(dist_env, 1, (16,), seed=92, hidden=HIDDEN, num_experts=64, num_topk=8)
+        got = run_dispatch(buf, fits[rank], device, False)
+        check(dist_env, dispatch_errors(got, expected(fits, rank, 64, False), False, rank, fits), "after the error")
+    finally:
+        release(dist_env, buf)
+
+
+def test_peer_timeout_names_the_peer(dist_env):
+    """The last rank skips a dispatch: the others get PeerTimeout naming it (op, rank, peer) within
+    the Buffer's 3 s bound; the Buffer is then unusable and the process carries on."""
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    if world < 2:
+        pytest.skip("needs 2 or more ranks")
+    buf = make_buffer(dist_env, 1, timeout_s="3")
+    skipper = world - 1
+    inputs = inputs_for(dist_env, 1, (256,), seed=101, hidden=HIDDEN, num_experts=64, num_topk=8)
+    got = run_dispatch(buf, inputs[rank], device, False)   # every rank takes part once
+    check(dist_env, dispatch_errors(got, expected(inputs, rank, 64, False), False, rank, inputs), "before")
+    torch.cuda.synchronize()
+    dist_env.barrier()
+
+    def waiting_rank_sees_the_timeout():
+        if rank == skipper:
+            return
+        began = time.monotonic()
+        with pytest.raises(PeerTimeout) as caught:
+            run_dispatch(buf, inputs[rank], device, False)
+        seconds, error = time.monotonic() - began, caught.value
+        assert (error.op, error.rank, error.peer) == ("internode dispatch", rank, skipper), repr(error)
+        assert 2.0 <= seconds <= 60.0, f"PeerTimeout after {seconds:.1f} s with a 3 s bound"
+        with pytest.raises(BufferUnusable):
+            run_dispatch(buf, inputs[rank], device, False)
+    on_all_ranks(dist_env, waiting_rank_sees_the_timeout)
+    buf._backend.nvshmem.peer_failed = False   # the skipper is alive: teardown may be collective
+    release(dist_env, buf)
