@@ -123,14 +123,32 @@ __device__ __forceinline__ Wait wait_tag(const WaitContext &ctx, const unsigned 
     return kReady;
 }
 
-// Shared state of one block: peer bases and mask snapshot, the abort flag, and how many of its
-// warps finished the send part (finish_send).
+// Shared state of one block: peer bases and mask snapshot, the abort flag, how many of its warps
+// finished the send part (finish_send), and the block's latest claim (claim).
 template <int kRanks> struct BlockState {
     long long peer_base[kRanks];
     int masked[kRanks];
     int abort;
     int send_done;
+    int claim;
 };
+
+// The u32 counters of a buffer set (Params::tickets, epcomm.ops.low_latency_layout.Layout.tickets):
+// the grid tickets of a launch's send and receive parts, then the combine send part's work claims.
+// finish_send's last block resets the send ticket and the claims, finish_recv's the receive ticket.
+enum Counter { kTicketSend, kTicketRecv, kClaimRecords, kClaimMaps, kClaimItems, kCounters = 8 };
+
+// Block-wide claim of `n` units of this launch's work: thread 0's atomicAdd on the counter, shared
+// through BlockState. Work taken in atomicAdd order goes to whichever blocks are running, so a
+// block never waits for work that only a block not (yet) resident would do: a launch may get fewer
+// SMs than blocks while another kernel holds some. Every thread of the block must call it.
+template <int kRanks>
+__device__ __forceinline__ int claim(BlockState<kRanks> &s, unsigned int *counter, int n) {
+    __syncthreads();   // every thread has read the previous claim
+    if (threadIdx.x == 0) s.claim = static_cast<int>(atomicAdd(counter, static_cast<unsigned int>(n)));
+    __syncthreads();
+    return s.claim;
+}
 
 template <int kRanks>
 __device__ void load_block_state(BlockState<kRanks> &s, const long long *peer_bases, const int *mask, int use_nvlink) {
@@ -167,21 +185,23 @@ __device__ void wait_released(BlockState<kRanks> &s, const WaitContext &ctx, con
 
 // End of a launch's send part, warp by warp: no block barrier, so in a fused launch a warp with
 // nothing (left) to send starts receiving at once. The block's last warp to get here takes the
-// grid ticket for its block; the grid's last one resets the ticket and stores the new send count
-// (read by the next launch, or by finish_recv's wait below). Each warp's lane 0 fences before
-// counting itself, after a __syncwarp, so everything its warp wrote precedes the count; the last
-// warp fences again after reading it (acquire side) before the ticket.
+// grid ticket for its block; the grid's last one resets the ticket and the claims (no block of the
+// launch claims any more) and stores the new send count (read by the next launch, or by
+// finish_recv's wait below). Each warp's lane 0 fences before counting itself, after a __syncwarp,
+// so everything its warp wrote precedes the count; the last warp fences again after reading it
+// (acquire side) before the ticket, and once more so the resets precede the count.
 template <int kRanks, int kWarps>
-__device__ void finish_send(BlockState<kRanks> &s, unsigned int *ticket, unsigned long long *epoch,
+__device__ void finish_send(BlockState<kRanks> &s, unsigned int *counters, unsigned long long *epoch,
                             unsigned long long value) {
     __syncwarp();
     if (lane_id() != 0) return;
     __threadfence();
     if (atomicAdd(&s.send_done, 1) != kWarps - 1) return;
     __threadfence();
-    if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
+    if (atomicAdd(counters + kTicketSend, 1u) != gridDim.x - 1) return;
     __threadfence();
-    *ticket = 0;
+    counters[kTicketSend] = counters[kClaimRecords] = counters[kClaimMaps] = counters[kClaimItems] = 0;
+    __threadfence();
     *epoch = value;
 }
 

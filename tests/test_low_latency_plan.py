@@ -31,7 +31,8 @@ def test_params_mirror_cpp(struct, mirror):
 
 def test_shapes_mirror_cpp():
     """message_bytes / dispatch_smem_bytes equal the kernel's Message / DispatchShape constants."""
-    lines = ['#include "low_latency.cu"']
+    lines = ['#include "low_latency.cu"',
+             f'static_assert(4 * epcomm::ll::kCounters == {lay.TICKET_BYTES}, "per-set u32 counters");']
     for hidden, topk, fp8 in itertools.product((128, 1032 * 8, 2176, 7168, 8192, 32768), (1, 4, 8, 9, 16, 32),
                                                (True, False)):
         if fp8 and hidden % 128:
@@ -59,7 +60,7 @@ def _regions(layout: lay.Layout):
     out = [("mask", layout.mask, 4 * R)]
     for s in (0, 1):
         out += [(f"acks{s}", layout.acks(s), 8 * R), (f"epochs{s}", layout.epochs(s), 16),
-                (f"tickets{s}", layout.tickets(s), 8),
+                (f"tickets{s}", layout.tickets(s), lay.TICKET_BYTES),
                 (f"token_tags{s}", layout.token_tags(s), 8 * R * T), (f"record_tags{s}", layout.record_tags(s), 8 * R * T),
                 (f"partial_tags{s}", layout.partial_tags(s), 8 * R * T), (f"map_flags{s}", layout.map_flags(s), 8 * E),
                 (f"list_tags{s}", layout.list_tags(s), 8 * E), (f"lists{s}", layout.lists(s), E * lay.list_bytes(T)),
