@@ -46,9 +46,11 @@
 // ascending, then rounds to bf16, exactly as epcomm.reference.oracle.ll_combine_rows. An ack now
 // also covers the send part's reads of the records (finish_recv waits for its end).
 //
-// Fault tolerance. Waits go through WaitContext. With enable_shrink a peer that times out is masked
-// (mask[peer] = 1) and treated as sending nothing; without it the wait records a PeerTimeout and the
-// kernel winds down. Masked peers are neither sent to nor waited for.
+// Fault tolerance. Waits go through a Guard (common/timeout.cuh). With enable_shrink a peer that
+// times out is masked (mask[peer] = 1) and treated as sending nothing; without it the wait records a
+// PeerTimeout (host-mapped record, once) and raises this rank's sticky flag (device memory, `failed`),
+// which every other wait polls, so the kernel and later ones wind down. Masked peers are neither
+// sent to nor waited for.
 #include "low_latency_dispatch.cuh"
 
 namespace epcomm {
@@ -70,6 +72,7 @@ struct DispatchParams {
     unsigned long long *epochs;        // [2] calls this rank sent / received on this set
     unsigned int *tickets;             // [kCounters]: send / receive tickets of this launch (enum Counter)
     int *mask;                         // [R] nonzero = masked rank
+    unsigned int *failed;              // nonzero once a wait of this rank failed (Guard's sticky flag)
     unsigned long long *token_tags;    // [R][T]: one per (source rank, token)
     unsigned long long *list_tags;     // [E_l][R]
     char *lists;                       // [E_l][R][16 + 4T]
@@ -87,7 +90,7 @@ struct DispatchParams {
     int op;                            // epcomm.runtime.status op id
     int pad;
 };
-static_assert(sizeof(DispatchParams) == 216, "mirrored by epcomm.ops.low_latency.DispatchParams");
+static_assert(sizeof(DispatchParams) == 224, "mirrored by epcomm.ops.low_latency.DispatchParams");
 
 struct CombineParams {
     const void *x;                     // [E_l, R*T, H] bf16
@@ -103,6 +106,7 @@ struct CombineParams {
     unsigned long long *epochs;
     unsigned int *tickets;             // [kCounters]: tickets, then the send part's claims (enum Counter)
     int *mask;
+    unsigned int *failed;
     unsigned long long *record_tags;   // [R][T]: one per (source rank, token); this rank's own unused
     unsigned long long *partial_tags;  // [R][T]: one per (expert rank, token)
     unsigned long long *map_flags;     // [E_l][R]: the row map of (local expert, source) is built
@@ -120,7 +124,7 @@ struct CombineParams {
     int enable_shrink;
     int op;
 };
-static_assert(sizeof(CombineParams) == 208, "mirrored by epcomm.ops.low_latency.CombineParams");
+static_assert(sizeof(CombineParams) == 216, "mirrored by epcomm.ops.low_latency.CombineParams");
 // A combine top-k record: K expert ids (i32), then K weights (f32); sized for MAX_TOPK = 32.
 constexpr int kRecordBytes = 256;
 // epcomm.ops.low_latency.COMBINE_PHASES
@@ -132,7 +136,7 @@ enum CombinePhase { kPhaseRelease, kPhaseRecord, kPhaseRowMap, kPhasePartial, kP
 // destination's slot [source rank][token]; the lists tell the receiver which experts want it.
 template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, bool kFP8, bool kRoundScale,
           class TopkT, int kThreads>
-__device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, const WaitContext &ctx,
+__device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, const Guard &ctx,
                               unsigned long long epoch, char *smem) {
     using M = Message<kHidden, kFP8>;
     using Shape = DispatchShape<kHidden, kTopK, kFP8, kThreads>;
@@ -257,7 +261,7 @@ __device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, co
 }
 
 template <int kHidden, int kRanks, int kExperts, int kMaxTokens, bool kFP8, bool kUE8M0, int kThreads>
-__device__ void dispatch_recv(const DispatchParams &p, const BlockState<kRanks> &s, const WaitContext &ctx,
+__device__ void dispatch_recv(const DispatchParams &p, const BlockState<kRanks> &s, const Guard &ctx,
                               unsigned long long epoch) {
     using M = Message<kHidden, kFP8>;
     constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens, kWarps = kThreads / 32;
@@ -323,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     static_assert(kTopK >= 1 && kTopK <= 32, "one lane per top-k slot");
     extern __shared__ __align__(16) char smem[];
     __shared__ BlockState<kRanks> s;
-    const WaitContext ctx = WaitContext::make(p.err, p.timeout_ns, p.op, p.rank);
+    const Guard ctx = Guard::make(p.failed, p.err, p.timeout_ns, p.op, p.rank);
     if (p.phases & kSend) {
         const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
@@ -455,7 +459,7 @@ enum ItemState { kItemSkip, kItemSend, kItemFailed };
 // fence, then all their tags. An item whose ids name no local expert sends nothing: the source does
 // not wait for it.
 template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT, int kThreads>
-__device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks> &s, const WaitContext &ctx,
+__device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks> &s, const Guard &ctx,
                                       unsigned long long epoch, CombineItem<kTopK> &item) {
     constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens;
     // Each thread sums kPerThread chunks of 8 channels (kThreads apart), kBatch top-k rows per
@@ -523,7 +527,7 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
                 if (local) {
                     const int el = e % kLocalExperts;
                     const unsigned long long *flag = p.map_flags + el * kRanks + src;
-                    if (ctx.wait(p.rank, kPhaseRowMap, [&] { return ld_acquire_sys(flag) == epoch; })) {
+                    if (ctx.wait(p.rank, kPhaseRowMap, [&] { return ld_relaxed_sys(flag) == epoch && ld_acquire_sys(flag) == epoch; })) {
                         const int r = ld_cg(p.row_map + (static_cast<long long>(src) * kLocalExperts + el) * kMaxTokens + t);
                         if (r >= 0) row = static_cast<long long>(el) * kSlots + r;
                     } else {
@@ -607,7 +611,7 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
 // for that rank's partial sum, the ranks are put in ascending order, and the sums are added in
 // fp32 in that order, then rounded to bf16.
 template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT, int kThreads>
-__device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s, const WaitContext &ctx,
+__device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s, const Guard &ctx,
                              unsigned long long epoch, int (*ranks)[32]) {
     constexpr int kLocalExperts = kExperts / kRanks;
     // Each thread sums kPerThread chunks of 8 channels (kThreads apart), kBatch ranks per step:
@@ -699,7 +703,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     __shared__ BlockState<kRanks> s;
     __shared__ CombineItem<kTopK> item;
     __shared__ int ranks[kThreads / 32][32];
-    const WaitContext ctx = WaitContext::make(p.err, p.timeout_ns, p.op, p.rank);
+    const Guard ctx = Guard::make(p.failed, p.err, p.timeout_ns, p.op, p.rank);
     if (p.phases & kSend) {
         const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);

@@ -102,25 +102,29 @@ __device__ __forceinline__ char *on_peer(char *heap, const long long *bases, int
 
 enum Wait { kReady, kMasked, kFailed };
 
-// Bounded spin on a 64-bit tag; a masked peer (now or after a timeout under shrink) ends it.
-__device__ __forceinline__ Wait wait_tag(const WaitContext &ctx, const unsigned long long *tag,
-                                         unsigned long long want, int *mask, bool shrink, int peer, int phase) {
-    unsigned int spins = 0;
-    while (ld_acquire_sys(tag) != want) {
-        if ((++spins & 1023u) == 0) {
+// Bounded spin on a 64-bit tag. Polls are relaxed loads: an acquire load per poll compiles to a
+// strong load plus an L1 invalidation (CCTL.IVALL) of the SM, which would slow every warp of the
+// block still sending. Once the tag is seen, one acquire load of the same word synchronises with
+// the writer's release (its value cannot change before this rank acknowledges the call). A masked
+// peer (now, or after a timeout under shrink) ends the wait, and so does a failure any wait of this
+// rank recorded (the Guard's device-memory flag; the host-mapped record is only written).
+__device__ __forceinline__ Wait wait_tag(const Guard &g, const unsigned long long *tag, unsigned long long want,
+                                         int *mask, bool shrink, int peer, int phase) {
+    for (unsigned int spins = 1;; ++spins) {
+        if (ld_relaxed_sys(tag) == want && ld_acquire_sys(tag) == want) return kReady;
+        if ((spins & 1023u) == 0) {
             if (*reinterpret_cast<volatile int *>(mask + peer) != 0) return kMasked;
-            if (globaltimer_ns() > ctx.deadline_ns) {
+            if (globaltimer_ns() > g.ctx.deadline_ns) {
                 if (shrink) {
                     atomicExch(mask + peer, 1);
                     return kMasked;
                 }
-                ctx.record(peer, phase);
+                g.timeout(peer, phase);
                 return kFailed;
             }
-            if (ctx.failed()) return kFailed;
+            if (g.failed()) return kFailed;
         }
     }
-    return kReady;
 }
 
 // Shared state of one block: peer bases and mask snapshot, the abort flag, how many of its warps
@@ -162,18 +166,19 @@ __device__ void load_block_state(BlockState<kRanks> &s, const long long *peer_ba
 
 // Before the n-th send on a set: every destination must have acknowledged n-1 receives there.
 template <int kRanks>
-__device__ void wait_released(BlockState<kRanks> &s, const WaitContext &ctx, const unsigned long long *acks,
+__device__ void wait_released(BlockState<kRanks> &s, const Guard &g, const unsigned long long *acks,
                               unsigned long long send_epoch, int *mask, bool shrink) {
     for (int r = threadIdx.x; r < kRanks; r += blockDim.x) {
         if (s.masked[r]) continue;
+        const unsigned long long want = send_epoch - 1;   // relaxed polls, then one acquire (wait_tag)
         unsigned int spins = 0;
-        while (ld_acquire_sys(acks + r) + 1 < send_epoch) {
-            if ((++spins & 1023u) == 0 && (globaltimer_ns() > ctx.deadline_ns || ctx.failed())) {
-                if (shrink && !ctx.failed()) {
+        while (!(ld_relaxed_sys(acks + r) >= want && ld_acquire_sys(acks + r) >= want)) {
+            if ((++spins & 1023u) == 0 && (globaltimer_ns() > g.ctx.deadline_ns || g.failed())) {
+                if (shrink && !g.failed()) {
                     atomicExch(mask + r, 1);
                     s.masked[r] = 1;
                 } else {
-                    if (!ctx.failed()) ctx.record(r, 0);
+                    if (!g.failed()) g.timeout(r, 0);
                     s.abort = 1;
                 }
                 break;
@@ -211,7 +216,7 @@ __device__ void finish_send(BlockState<kRanks> &s, unsigned int *counters, unsig
 // acknowledgement also waits until this rank's send part of the call has ended: a hook's receive
 // launch on another stream may otherwise overtake it.
 template <int kRanks>
-__device__ void finish_recv(const BlockState<kRanks> &s, const WaitContext &ctx, unsigned int *ticket,
+__device__ void finish_recv(const BlockState<kRanks> &s, const Guard &ctx, unsigned int *ticket,
                             unsigned long long *epoch, unsigned long long value, const unsigned long long *send_epoch,
                             int send_phase, unsigned long long *acks, const int *mask, char *heap, int rank) {
     __syncthreads();

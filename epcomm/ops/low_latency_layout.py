@@ -8,6 +8,7 @@ control   (depends on R only; offset 0)
           per set: acks [R] u64 (written by the peers), epochs [2] u64 (calls sent / received on the
           set), tickets [8] u32 (epcomm::ll::Counter: blocks done with the current launch's send /
           receive part, then the combine send part's work claims: records, maps, items);
+          then failed u32 (16 B: the kernels' sticky failure flag, set with the PeerTimeout record),
           then mask [R] i32 (enable_shrink).
 signals   per set, depends on (T, E): token_tags [R][T] u64 (dispatch messages: a token goes once
           to each rank), record_tags [R][T] u64 (combine: top-k records, by source rank),
@@ -96,8 +97,12 @@ class Layout:
         return self.epochs(s) + 16
 
     @property
-    def mask(self) -> int:
+    def failed(self) -> int:
         return 2 * self._set_control_bytes
+
+    @property
+    def mask(self) -> int:
+        return self.failed + 16
 
     @property
     def control_bytes(self) -> int:
