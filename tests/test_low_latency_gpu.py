@@ -589,7 +589,12 @@ def sm_holder(dist_env):
     """(kernel, shared-memory bytes) of hold_sms, built from a copy of cuda_src/ plus HOLD_SRC."""
     from epcomm.runtime import compiler
     from epcomm.runtime.module import get_kernel
-    smem = torch.cuda.get_device_properties(dist_env.device).shared_memory_per_block_optin
+    smem = getattr(torch.cuda.get_device_properties(dist_env.device), "shared_memory_per_block_optin", 0)
+    if not smem:   # older torch: CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        from epcomm.runtime.launch import driver
+        value = ctypes.c_int()
+        assert driver().cuDeviceGetAttribute(ctypes.byref(value), 97, dist_env.device.index) == 0
+        smem = value.value
     with tempfile.TemporaryDirectory() as tmp:
         root = os.path.join(tmp, "cuda_src")
         shutil.copytree(compiler.cuda_src_dir(), root)
