@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
         const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
         dispatch_send<kHidden, kTopK, kRanks, kExperts, kMaxTokens, kFP8, kRoundScale, TopkT, kThreads>(p, s, ctx, epoch, smem);
-        finish_send<kRanks, kThreads / 32>(s, p.tickets, p.epochs, epoch);   // per warp: see dispatch_send's end
+        finish_send<kRanks, kThreads / 32, false>(s, p.tickets, p.epochs, epoch);   // per warp: see dispatch_send's end
     } else {
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     }
@@ -713,7 +713,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
             combine_build_map<kHidden, kRanks, kExperts, kMaxTokens, kThreads>(p, s, epoch);
             combine_send_partials<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, item);
         }
-        finish_send<kRanks, kThreads / 32>(s, p.tickets, p.epochs, epoch);
+        finish_send<kRanks, kThreads / 32, true>(s, p.tickets, p.epochs, epoch);
     } else {
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     }

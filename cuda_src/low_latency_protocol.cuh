@@ -139,7 +139,8 @@ template <int kRanks> struct BlockState {
 
 // The u32 counters of a buffer set (Params::tickets, epcomm.ops.low_latency_layout.Layout.tickets):
 // the grid tickets of a launch's send and receive parts, then the combine send part's work claims.
-// finish_send's last block resets the send ticket and the claims, finish_recv's the receive ticket.
+// finish_send's last block resets the send ticket (and the combine's claims), finish_recv's the
+// receive ticket.
 enum Counter { kTicketSend, kTicketRecv, kClaimRecords, kClaimMaps, kClaimItems, kCounters = 8 };
 
 // Block-wide claim of `n` units of this launch's work: thread 0's atomicAdd on the counter, shared
@@ -190,12 +191,12 @@ __device__ void wait_released(BlockState<kRanks> &s, const Guard &g, const unsig
 
 // End of a launch's send part, warp by warp: no block barrier, so in a fused launch a warp with
 // nothing (left) to send starts receiving at once. The block's last warp to get here takes the
-// grid ticket for its block; the grid's last one resets the ticket and the claims (no block of the
-// launch claims any more) and stores the new send count (read by the next launch, or by
-// finish_recv's wait below). Each warp's lane 0 fences before counting itself, after a __syncwarp,
-// so everything its warp wrote precedes the count; the last warp fences again after reading it
-// (acquire side) before the ticket, and once more so the resets precede the count.
-template <int kRanks, int kWarps>
+// grid ticket for its block; the grid's last one resets the ticket and, with `claims` (combine),
+// the claims (no block of the launch claims any more), then stores the new send count (read by the
+// next launch, or by finish_recv's wait below). Each warp's lane 0 fences before counting itself,
+// after a __syncwarp, so everything its warp wrote precedes the count; the last warp fences again
+// after reading it (acquire side) before the ticket, and once more so the resets precede the count.
+template <int kRanks, int kWarps, bool kClaims>
 __device__ void finish_send(BlockState<kRanks> &s, unsigned int *counters, unsigned long long *epoch,
                             unsigned long long value) {
     __syncwarp();
@@ -205,7 +206,8 @@ __device__ void finish_send(BlockState<kRanks> &s, unsigned int *counters, unsig
     __threadfence();
     if (atomicAdd(counters + kTicketSend, 1u) != gridDim.x - 1) return;
     __threadfence();
-    counters[kTicketSend] = counters[kClaimRecords] = counters[kClaimMaps] = counters[kClaimItems] = 0;
+    counters[kTicketSend] = 0;
+    if (kClaims) counters[kClaimRecords] = counters[kClaimMaps] = counters[kClaimItems] = 0;
     __threadfence();
     *epoch = value;
 }

@@ -580,7 +580,7 @@ __global__ void hold_sms(const __grid_constant__ HoldParams p) {
 HOLD_MAX_S = 15.0   # under EPCOMM_TIMEOUT_S (20 s): a stalled send part shows as a held-too-long holder
 
 
-class _HoldParams(ctypes.Structure):
+class HoldParams(ctypes.Structure):
     _fields_ = [("release", ctypes.c_void_p), ("released", ctypes.c_void_p), ("max_ns", ctypes.c_uint64)]
 
 
@@ -618,7 +618,7 @@ def _while_held(dist_env, holder, free_sms: int, launch, what: str, problems: li
     side = torch.cuda.Stream(dev)
     torch.cuda.synchronize()
     dist_env.barrier()
-    kernel.launch((blocks, 1, 1), (1024, 1, 1), _HoldParams(flags.data_ptr(), flags.data_ptr() + 4, int(HOLD_MAX_S * 1e9)),
+    kernel.launch((blocks, 1, 1), (1024, 1, 1), HoldParams(flags.data_ptr(), flags.data_ptr() + 4, int(HOLD_MAX_S * 1e9)),
                   side.cuda_stream, smem=smem)
     time.sleep(0.05)     # every holder block is resident (they start in microseconds)
     start = time.monotonic()
@@ -670,7 +670,10 @@ def test_sends_with_most_sms_held(dist_env, sm_holder, free_sms):
                                  lambda: buf.low_latency_combine(x_c, topk_idx, weights, handle),
                                  "fused combine", problems)
     problems += [f"fused combine: {m}" for m in _check_combine(case, rank, inputs, x_c, handle, combined)]
-    buf._backend.check_errors()   # a PeerTimeout recorded by any of them raises here
+    try:
+        buf._backend.check_errors()   # a PeerTimeout recorded by any of them raises here
+    except Exception as e:            # reported on every rank by _verdict, not raised on this one alone
+        problems.append(f"error recorded: {e!r}")
     _verdict(dist_env, problems, f"sends with {free_sms} free SMs")
 
 
