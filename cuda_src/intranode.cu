@@ -26,9 +26,8 @@
 // of landed chunks in chunk order (Header::kClaim).
 // `epoch` counts this rank's intranode kernels (device-resident; bumped by the last block to
 // finish), so CUDA-graph replays and repeated calls need nothing from the host.
-// Every wait on a peer is bounded (Guard, common/timeout.cuh: WaitContext's deadline and
-// ErrorRecord, a sticky flag in the NVL header, see make_guard); other failures are recorded with
-// kErrorCapacity.
+// Every wait on a peer is bounded (Guard: WaitContext's deadline and ErrorRecord, see
+// intranode_common.cuh); other failures are recorded with kErrorCapacity.
 #pragma once
 #include "intranode_common.cuh"
 #include "intranode_dispatch.cuh"
@@ -45,7 +44,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
     const int warp = warp_id(), lane = lane_id(), num_warps = kNotifyThreads / 32;
     if (threadIdx.x == 0) failed = 0;
     const unsigned long long epoch = kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
-    const Guard ctx = make_guard(peers[p.rank], p.err, p.timeout_ns, p.op, p.rank);
+    const Guard ctx = Guard::make(peers[p.rank], p.err, p.timeout_ns, p.op, p.rank);
     trace_set(p.trace, kTrStart, trace_now());
     const int n = p.num_tokens, num_chunks = p.num_chunks, tpc = p.tokens_per_chunk, stride = num_chunks + 1;
     const int num_le = p.num_local_experts;

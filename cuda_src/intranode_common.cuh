@@ -166,14 +166,19 @@ __device__ __forceinline__ int4 ld_cg_v4(const int4 *p) {
 __device__ __forceinline__ unsigned long long ld_volatile_u64(const void *p) {
     return *static_cast<const volatile unsigned long long *>(p);
 }
+__device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned long long *p) { return ld_relaxed_sys(p); }
 
-// Failure handling of the intranode kernels: a Guard (common/timeout.cuh) whose sticky flag is in
-// this rank's own NVL header.
-__device__ __forceinline__ Guard make_guard(const char *local_base, ErrorRecord *err, unsigned long long timeout_ns,
-                                            int op, int rank) {
-    return Guard::make(reinterpret_cast<unsigned int *>(const_cast<char *>(local_base) + Header<1>::kFailed), err,
-                       timeout_ns, op, rank);
-}
+// Failure handling of the intranode kernels: epcomm::Guard (common/timeout.cuh: the host-mapped
+// ErrorRecord written once on failure, a sticky device-memory flag polled by the waits) with its
+// flag in this rank's own NVL header.
+struct Guard : epcomm::Guard {
+    __device__ __forceinline__ static Guard make(const char *local_base, ErrorRecord *err,
+                                                 unsigned long long timeout_ns, int op, int rank) {
+        return Guard{epcomm::Guard::make(
+            reinterpret_cast<unsigned int *>(const_cast<char *>(local_base) + Header<1>::kFailed), err, timeout_ns, op,
+            rank)};
+    }
+};
 
 // Bounded waits for a value another GPU release-writes: poll with relaxed loads (an acquire load
 // per spin would invalidate the SM's L1 each time), then one acquire load of the same word
@@ -185,7 +190,7 @@ __device__ __forceinline__ bool wait_at_least(const Guard &guard, const int *p, 
 }
 __device__ __forceinline__ bool wait_at_least(const Guard &guard, const unsigned long long *p,
                                               unsigned long long target, int peer, int phase) {
-    if (!guard.wait(peer, phase, [&] { return ld_relaxed_sys(p) >= target; })) return false;
+    if (!guard.wait(peer, phase, [&] { return ld_relaxed_sys_u64(p) >= target; })) return false;
     return ld_acquire_sys(p) >= target;
 }
 
@@ -334,7 +339,7 @@ template <int kRanks, class Params>
 __device__ __forceinline__ KernelStart data_kernel_begin(BlockShared<kRanks> &sh, const Params &p) {
     sh.zero();   // kernel_begin's __syncthreads orders this before any use
     const unsigned long long epoch = kernel_begin<kRanks>(sh.peers, p.peer_bases, p.rank);
-    const KernelStart start{epoch, make_guard(sh.peers[p.rank], p.err, p.timeout_ns, p.op, p.rank)};
+    const KernelStart start{epoch, Guard::make(sh.peers[p.rank], p.err, p.timeout_ns, p.op, p.rank)};
     trace_set(p.trace, kTrStart, trace_now());
     return start;
 }
