@@ -586,12 +586,14 @@ class HoldParams(ctypes.Structure):
 
 @pytest.fixture(scope="module")
 def sm_holder(dist_env):
-    """(kernel, shared-memory bytes) of hold_sms, built from a copy of cuda_src/ plus HOLD_SRC."""
+    """(kernel, shared-memory bytes, stream) of hold_sms, built from a copy of cuda_src/ plus
+    HOLD_SRC; the stream is created non-blocking (no implicit order with the legacy default
+    stream the low-latency calls may run on)."""
     from epcomm.runtime import compiler
+    from epcomm.runtime.launch import driver
     from epcomm.runtime.module import get_kernel
     smem = getattr(torch.cuda.get_device_properties(dist_env.device), "shared_memory_per_block_optin", 0)
     if not smem:   # older torch: CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
-        from epcomm.runtime.launch import driver
         value = ctypes.c_int()
         assert driver().cuDeviceGetAttribute(ctypes.byref(value), 97, dist_env.device.index) == 0
         smem = value.value
@@ -603,7 +605,12 @@ def sm_holder(dist_env):
         with compiler.cuda_src_override(root):
             kernel = get_kernel(compiler.KernelSource("hold_sms.cu", ("epcomm::hold_sms",)), 0, dist_env.device.index)
     kernel.set_max_dynamic_smem(smem)
-    return kernel, smem
+    torch.cuda.synchronize()   # torch's context is current on this thread
+    stream = ctypes.c_void_p()
+    assert driver().cuStreamCreate(ctypes.byref(stream), 1) == 0   # CU_STREAM_NON_BLOCKING
+    yield kernel, smem, stream.value
+    torch.cuda.synchronize()
+    driver().cuStreamDestroy_v2(stream)
 
 
 def _while_held(dist_env, holder, free_sms: int, launch, what: str, problems: list):
@@ -611,15 +618,14 @@ def _while_held(dist_env, holder, free_sms: int, launch, what: str, problems: li
     `free_sms` from a side stream, on every rank at about the same time. The holder is released by
     a store queued on the current stream after launch()'s kernels, so it reports every block
     released by the flag only if those kernels finished on `free_sms` SMs alone."""
-    kernel, smem = holder
+    kernel, smem, side = holder
     dev = dist_env.device
     blocks = torch.cuda.get_device_properties(dev).multi_processor_count - free_sms
     flags = torch.zeros(2, dtype=torch.int32, device=dev)   # [release, holder blocks released by it]
-    side = torch.cuda.Stream(dev)
     torch.cuda.synchronize()
     dist_env.barrier()
     kernel.launch((blocks, 1, 1), (1024, 1, 1), HoldParams(flags.data_ptr(), flags.data_ptr() + 4, int(HOLD_MAX_S * 1e9)),
-                  side.cuda_stream, smem=smem)
+                  side, smem=smem)
     time.sleep(0.05)     # every holder block is resident (they start in microseconds)
     start = time.monotonic()
     out = launch()
@@ -643,7 +649,7 @@ def test_sends_with_most_sms_held(dist_env, sm_holder, free_sms):
     own tokens and lists, then wait for the peer's.)"""
     case, rank, num_ranks, dev = FP8_TARGET, dist_env.rank, dist_env.world_size, dist_env.device
     buf = _buffer(dist_env, shapes=[TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES])
-    kernel, smem = sm_holder
+    kernel, smem, _ = sm_holder
     if kernel.max_active_blocks_per_sm(1024, smem) != 1:
         pytest.skip("the premise does not hold on this GPU: one holder block per SM")
     buf.clean_low_latency_buffer(case.T, case.H, case.E)
