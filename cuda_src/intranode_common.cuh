@@ -166,64 +166,17 @@ __device__ __forceinline__ int4 ld_cg_v4(const int4 *p) {
 __device__ __forceinline__ unsigned long long ld_volatile_u64(const void *p) {
     return *static_cast<const volatile unsigned long long *>(p);
 }
-__device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned long long *p) {
-    unsigned long long v;
-    asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
+__device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned long long *p) { return ld_relaxed_sys(p); }
 
-// Failure handling of the intranode kernels: the deadline, op and rank of a WaitContext, its
-// host-mapped ErrorRecord written once on failure, plus a sticky flag in this rank's own header
-// (device memory) that later blocks and kernels poll. Why not WaitContext::wait / failed(): they
-// read the host-mapped record over PCIe, and such reads serialise GPU-wide at ~1.1 us each
-// (measured on 2 x H200: 384 warps each checking it once at kernel start took 420 us, the whole
-// fixed cost of a call; a waiting warp re-reads it every 1024 polls). A failure makes the Buffer
-// unusable (StatusRecord.check), so the flag is never cleared; a new Buffer starts zeroed.
-struct Guard {
-    WaitContext ctx;
-    unsigned int *flag;
-
+// Failure handling of the intranode kernels: epcomm::Guard (common/timeout.cuh: the host-mapped
+// ErrorRecord written once on failure, a sticky device-memory flag polled by the waits) with its
+// flag in this rank's own NVL header.
+struct Guard : epcomm::Guard {
     __device__ __forceinline__ static Guard make(const char *local_base, ErrorRecord *err,
                                                  unsigned long long timeout_ns, int op, int rank) {
-        return Guard{WaitContext::make(err, timeout_ns, op, rank),
-                     reinterpret_cast<unsigned int *>(const_cast<char *>(local_base) + Header<1>::kFailed)};
-    }
-    __device__ __forceinline__ bool failed() const { return *static_cast<volatile unsigned int *>(flag) != 0; }
-    __device__ __forceinline__ void raise_flag() const {
-        *static_cast<volatile unsigned int *>(flag) = 1u;
-        __threadfence();
-    }
-    // A peer did not answer in time: ErrorRecord code 1 (PeerTimeout on the host).
-    __device__ __noinline__ void timeout(int peer, int phase) const {
-        ctx.record(peer, phase);
-        raise_flag();
-    }
-    // A size/config violation only the GPU can see: ErrorRecord code kErrorCapacity.
-    __device__ __noinline__ void violation(int peer, int phase) const {
-        ErrorRecord *err = ctx.err;
-        if (atomicCAS(&err->code, kOk, kErrorCapacity) == kOk) {
-            err->op = ctx.op;
-            err->rank = ctx.rank;
-            err->peer = peer;
-            err->phase = phase;
-            __threadfence_system();
-        }
-        raise_flag();
-    }
-    // Spin until ready(); every 1024 polls check the deadline (%globaltimer) and the local flag.
-    template <class Ready>
-    __device__ __forceinline__ bool wait(int peer, int phase, Ready ready) const {
-        unsigned int spins = 0;
-        while (!ready()) {
-            if ((++spins & 1023u) == 0) {
-                if (failed()) return false;
-                if (globaltimer_ns() > ctx.deadline_ns) {
-                    timeout(peer, phase);
-                    return false;
-                }
-            }
-        }
-        return true;
+        return Guard{epcomm::Guard::make(
+            reinterpret_cast<unsigned int *>(const_cast<char *>(local_base) + Header<1>::kFailed), err, timeout_ns, op,
+            rank)};
     }
 };
 

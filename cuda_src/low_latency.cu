@@ -12,7 +12,7 @@
 // sets (`epochs`, device memory). A sender tags its messages with its send count; a receiver waits
 // for a tag equal to its receive count. Both advance once per call on every rank, so they agree
 // without any host-provided sequence number, and a replayed graph simply advances them again.
-// The last block of each launch part (ticket counter) stores the new count.
+// The last block of each launch part (ticket counter) stores the new count and resets its counters.
 //
 // Buffer-set reuse. A receiver that has finished with a set writes its receive count into every
 // sender's `acks[receiver]` (the last block, after all blocks stopped reading). A sender's n-th send
@@ -34,19 +34,23 @@
 // expert rank) crosses the link instead of one bf16 row per (token, expert): with K=8 of 288 experts
 // on 2 ranks ~4 rows per token and rank, so half the bytes (fp32 keeps the oracle's fp32
 // accumulation; only the order of the additions changes, and the oracle describes the new order).
-// Send part, source side: every live rank gets this rank's top-k record (K expert ids, K weights)
-// of every token slot t < T. Expert side: before the release wait, the row map of each (local
-// expert, source) pair is built from the handle (row_map[source][expert][token] = packed row, -1 =
-// none; then a per-pair flag); then for each (source, token) whose record names one of this rank's
-// experts, one block waits for the record and sums w_k * row_k in fp32, k ascending over the
-// local experts, into the source's slot [expert rank][token]. Receive part: one block per token
+// Send part, after the release wait, its work claimed from per-set counters in this order (so the
+// running blocks, however few, finish everything the others wait for before waiting themselves):
+// source side, every other live rank gets this rank's top-k record (K expert ids, K weights) of
+// every token slot t < T; expert side, the row map of each (local expert, source) pair is built
+// from the handle (row_map[source][expert][token] = packed row, -1 = none; then a per-pair flag);
+// then for each (source, token) whose ids (the source's record, or this rank's own top-k) name one
+// of this rank's experts, one block sums w_k * row_k in fp32, k ascending over the local experts,
+// into the source's slot [expert rank][token]. Receive part: one block per token
 // waits for the partial sum of each rank holding one of its experts and adds them in fp32, ranks
 // ascending, then rounds to bf16, exactly as epcomm.reference.oracle.ll_combine_rows. An ack now
 // also covers the send part's reads of the records (finish_recv waits for its end).
 //
-// Fault tolerance. Waits go through WaitContext. With enable_shrink a peer that times out is masked
-// (mask[peer] = 1) and treated as sending nothing; without it the wait records a PeerTimeout and the
-// kernel winds down. Masked peers are neither sent to nor waited for.
+// Fault tolerance. Waits go through a Guard (common/timeout.cuh). With enable_shrink a peer that
+// times out is masked (mask[peer] = 1) and treated as sending nothing; without it the wait records a
+// PeerTimeout (host-mapped record, once) and raises this rank's sticky flag (device memory, `failed`),
+// which every other wait polls, so the kernel and later ones wind down. Masked peers are neither
+// sent to nor waited for.
 #include "low_latency_dispatch.cuh"
 
 namespace epcomm {
@@ -66,8 +70,9 @@ struct DispatchParams {
     const long long *peer_bases;       // [R] NVLink mapping of each rank's buffer, 0 = none
     unsigned long long *acks;          // [R] this set's acknowledgements (see the top of this file)
     unsigned long long *epochs;        // [2] calls this rank sent / received on this set
-    unsigned int *tickets;             // [2] blocks done with the send / receive part of this launch
+    unsigned int *tickets;             // [kCounters]: send / receive tickets of this launch (enum Counter)
     int *mask;                         // [R] nonzero = masked rank
+    unsigned int *failed;              // nonzero once a wait of this rank failed (Guard's sticky flag)
     unsigned long long *token_tags;    // [R][T]: one per (source rank, token)
     unsigned long long *list_tags;     // [E_l][R]
     char *lists;                       // [E_l][R][16 + 4T]
@@ -85,7 +90,7 @@ struct DispatchParams {
     int op;                            // epcomm.runtime.status op id
     int pad;
 };
-static_assert(sizeof(DispatchParams) == 216, "mirrored by epcomm.ops.low_latency.DispatchParams");
+static_assert(sizeof(DispatchParams) == 224, "mirrored by epcomm.ops.low_latency.DispatchParams");
 
 struct CombineParams {
     const void *x;                     // [E_l, R*T, H] bf16
@@ -99,12 +104,13 @@ struct CombineParams {
     const long long *peer_bases;
     unsigned long long *acks;
     unsigned long long *epochs;
-    unsigned int *tickets;
+    unsigned int *tickets;             // [kCounters]: tickets, then the send part's claims (enum Counter)
     int *mask;
-    unsigned long long *record_tags;   // [R][T]: one per (source rank, token)
+    unsigned int *failed;
+    unsigned long long *record_tags;   // [R][T]: one per (source rank, token); this rank's own unused
     unsigned long long *partial_tags;  // [R][T]: one per (expert rank, token)
     unsigned long long *map_flags;     // [E_l][R]: the row map of (local expert, source) is built
-    char *records;                     // [R][T][kRecordBytes], by source rank
+    char *records;                     // [R][T][kRecordBytes], by source rank (never from this rank)
     char *partials;                    // [R][T][H] f32, by expert rank
     char *record_stage;                // [T][kRecordBytes], source of puts
     char *partial_stage;               // [R][T][H] f32, by source rank, source of puts
@@ -118,7 +124,7 @@ struct CombineParams {
     int enable_shrink;
     int op;
 };
-static_assert(sizeof(CombineParams) == 208, "mirrored by epcomm.ops.low_latency.CombineParams");
+static_assert(sizeof(CombineParams) == 216, "mirrored by epcomm.ops.low_latency.CombineParams");
 // A combine top-k record: K expert ids (i32), then K weights (f32); sized for MAX_TOPK = 32.
 constexpr int kRecordBytes = 256;
 // epcomm.ops.low_latency.COMBINE_PHASES
@@ -130,7 +136,7 @@ enum CombinePhase { kPhaseRelease, kPhaseRecord, kPhaseRowMap, kPhasePartial, kP
 // destination's slot [source rank][token]; the lists tell the receiver which experts want it.
 template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, bool kFP8, bool kRoundScale,
           class TopkT, int kThreads>
-__device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, const WaitContext &ctx,
+__device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, const Guard &ctx,
                               unsigned long long epoch, char *smem) {
     using M = Message<kHidden, kFP8>;
     using Shape = DispatchShape<kHidden, kTopK, kFP8, kThreads>;
@@ -255,7 +261,7 @@ __device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, co
 }
 
 template <int kHidden, int kRanks, int kExperts, int kMaxTokens, bool kFP8, bool kUE8M0, int kThreads>
-__device__ void dispatch_recv(const DispatchParams &p, const BlockState<kRanks> &s, const WaitContext &ctx,
+__device__ void dispatch_recv(const DispatchParams &p, const BlockState<kRanks> &s, const Guard &ctx,
                               unsigned long long epoch) {
     using M = Message<kHidden, kFP8>;
     constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens, kWarps = kThreads / 32;
@@ -321,33 +327,99 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     static_assert(kTopK >= 1 && kTopK <= 32, "one lane per top-k slot");
     extern __shared__ __align__(16) char smem[];
     __shared__ BlockState<kRanks> s;
-    const WaitContext ctx = WaitContext::make(p.err, p.timeout_ns, p.op, p.rank);
+    const Guard ctx = Guard::make(p.failed, p.err, p.timeout_ns, p.op, p.rank);
     if (p.phases & kSend) {
         const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
         dispatch_send<kHidden, kTopK, kRanks, kExperts, kMaxTokens, kFP8, kRoundScale, TopkT, kThreads>(p, s, ctx, epoch, smem);
-        finish_send<kRanks, kThreads / 32>(s, p.tickets, p.epochs, epoch);   // per warp: see dispatch_send's end
+        finish_send<kRanks, kThreads / 32, false>(s, p.tickets, p.epochs, epoch);   // per warp: see dispatch_send's end
     } else {
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     }
     if (p.phases & kRecv) {
         const unsigned long long epoch = ld_volatile(p.epochs + 1) + 1;
         dispatch_recv<kHidden, kRanks, kExperts, kMaxTokens, kFP8, kUE8M0, kThreads>(p, s, ctx, epoch);
-        finish_recv(s, ctx, p.tickets + 1, p.epochs + 1, epoch, nullptr, 0, p.acks, p.mask, p.heap, p.rank);
+        finish_recv(s, ctx, p.tickets + kTicketRecv, p.epochs + 1, epoch, nullptr, 0, p.acks, p.mask, p.heap, p.rank);
     }
 }
 
 // ==== combine ====================================================================================
-// Expert side, before the release wait (local memory only): the row map of each (local expert,
-// source) pair this warp owns, then the pair's flag. A token listed twice in a pair (an expert
-// named in two top-k slots) maps to its last row, as in the oracle. The mapped rows are pulled into
-// L2 on the way, so the partial sums read them from L2 once the records arrive.
+// The send part takes its work from the set's claim counters (claim): first the records of every
+// token slot, then the row maps, then the (source, token) items; the launch's last block resets
+// the counters (finish_send). So the blocks that are running, however few (another kernel may hold
+// SMs: hook mode, a second micro-batch on another stream), do every record and map before any of
+// them waits for a record or a map, and no wait ever depends on a block that is not resident.
+
+// Source side: every other live rank gets this rank's top-k record of every token slot t < T (slots
+// t >= N name no expert), so each expert rank knows exactly which partial sums to make, with the
+// combine-time weights, whatever the routing was (this rank's own items read topk_idx and
+// topk_weights directly). One token per warp and claim; direct ranks: stores, one fence, then the
+// tags; other ranks: a put with signal from the record stage.
+template <int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT, int kThreads>
+__device__ void combine_send_records(const CombineParams &p, BlockState<kRanks> &s, unsigned long long epoch) {
+    constexpr int kWarps = kThreads / 32;
+    const int lane = lane_id();
+    unsigned int *counter = p.tickets + kClaimRecords;
+    for (int base = claim(s, counter, kWarps); base < kMaxTokens; base = claim(s, counter, kWarps)) {
+        const int t = base + warp_id();
+        if (t >= kMaxTokens) continue;
+        int e = -1;
+        float w = 0.0f;
+        if (lane < kTopK && t < p.num_tokens) {
+            e = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + lane);
+            w = __ldg(p.topk_weights + static_cast<long long>(t) * kTopK + lane);
+        }
+        const long long slot = static_cast<long long>(p.rank) * kMaxTokens + t;
+        char *local_record = p.records + slot * kRecordBytes;
+        char *stage = nullptr;
+        bool direct_sent = false;   // warp-uniform
+        for (int dst = 0; dst < kRanks; ++dst) {
+            if (dst == p.rank || s.masked[dst]) continue;
+            if (s.peer_base[dst] != 0) {
+                char *record = on_peer(p.heap, s.peer_base, p.rank, dst, local_record);
+                if (lane < kTopK) {
+                    reinterpret_cast<int *>(record)[lane] = e;
+                    reinterpret_cast<float *>(record)[kTopK + lane] = w;
+                }
+                direct_sent = true;
+                continue;
+            }
+            if (stage == nullptr) {   // puts read the symmetric heap: the record once into the stage
+                stage = p.record_stage + static_cast<long long>(t) * kRecordBytes;
+                if (lane < kTopK) {
+                    reinterpret_cast<int *>(stage)[lane] = e;
+                    reinterpret_cast<float *>(stage)[kTopK + lane] = w;
+                }
+                __syncwarp();
+                __threadfence_system();   // the stage before the transport reads it
+            }
+            nvshmemx_putmem_signal_nbi_warp(local_record, stage, 8 * kTopK, reinterpret_cast<uint64_t *>(p.record_tags + slot),
+                                            epoch, NVSHMEM_SIGNAL_SET, dst);
+        }
+        if (!direct_sent) continue;
+        __syncwarp();
+        fence_acq_rel_sys();   // (every lane) the records above before their tags
+        for (int dst = lane; dst < kRanks; dst += 32)
+            if (dst != p.rank && !s.masked[dst] && s.peer_base[dst] != 0)
+                st_relaxed_sys(reinterpret_cast<unsigned long long *>(on_peer(p.heap, s.peer_base, p.rank, dst, p.record_tags + slot)),
+                               epoch);
+    }
+}
+
+// Expert side, local memory only: the row map of each (local expert, source) pair, one pair per
+// warp and claim, then the pair's flag. A token listed twice in a pair (an expert named in two
+// top-k slots) maps to its last row, as in the oracle. The mapped rows are pulled into L2 on the
+// way, so the partial sums read them from L2 once the records arrive. After the release wait: the
+// set's previous send part (which read the maps) has ended.
 template <int kHidden, int kRanks, int kExperts, int kMaxTokens, int kThreads>
-__device__ void combine_build_map(const CombineParams &p, unsigned long long epoch) {
+__device__ void combine_build_map(const CombineParams &p, BlockState<kRanks> &s, unsigned long long epoch) {
     constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens, kPairs = kLocalExperts * kRanks;
     constexpr int kRowBytes = kHidden * 2, kLines = (kRowBytes + 127) / 128, kWarps = kThreads / 32;
     const int lane = lane_id();
-    for (int pair = blockIdx.x * kWarps + warp_id(); pair < kPairs; pair += gridDim.x * kWarps) {
+    unsigned int *counter = p.tickets + kClaimMaps;
+    for (int base = claim(s, counter, kWarps); base < kPairs; base = claim(s, counter, kWarps)) {
+        const int pair = base + warp_id();
+        if (pair >= kPairs) continue;
         const int el = pair / kRanks, src = pair % kRanks;
         int *map = p.row_map + (static_cast<long long>(src) * kLocalExperts + el) * kMaxTokens;
         for (int t = lane; t < kMaxTokens; t += 32) map[t] = -1;
@@ -369,61 +441,6 @@ __device__ void combine_build_map(const CombineParams &p, unsigned long long epo
     }
 }
 
-// Source side: every live rank gets this rank's top-k record of every token slot t < T (slots
-// t >= N name no expert), so each expert rank knows exactly which partial sums to make, with the
-// combine-time weights, whatever the routing was. Direct ranks: stores, one fence per warp, then
-// the tags; other ranks: a put with signal from the record stage. Tokens go to the last warps of
-// every block first: warp 0 leads the block's partial sums and starts waiting for records at once.
-template <int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT, int kThreads>
-__device__ void combine_send_records(const CombineParams &p, const BlockState<kRanks> &s, unsigned long long epoch) {
-    constexpr int kWarps = kThreads / 32;
-    const int lane = lane_id(), first = (kWarps - 1 - warp_id()) * gridDim.x + blockIdx.x, step = gridDim.x * kWarps;
-    bool direct_sent = false;   // warp-uniform
-    for (int t = first; t < kMaxTokens; t += step) {
-        int e = -1;
-        float w = 0.0f;
-        if (lane < kTopK && t < p.num_tokens) {
-            e = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + lane);
-            w = __ldg(p.topk_weights + static_cast<long long>(t) * kTopK + lane);
-        }
-        const long long slot = static_cast<long long>(p.rank) * kMaxTokens + t;
-        char *local_record = p.records + slot * kRecordBytes;
-        char *stage = nullptr;
-        for (int dst = 0; dst < kRanks; ++dst) {
-            if (s.masked[dst]) continue;
-            if (dst == p.rank || s.peer_base[dst] != 0) {
-                char *record = on_peer(p.heap, s.peer_base, p.rank, dst, local_record);
-                if (lane < kTopK) {
-                    reinterpret_cast<int *>(record)[lane] = e;
-                    reinterpret_cast<float *>(record)[kTopK + lane] = w;
-                }
-                direct_sent = true;
-                continue;
-            }
-            if (stage == nullptr) {   // puts read the symmetric heap: the record once into the stage
-                stage = p.record_stage + static_cast<long long>(t) * kRecordBytes;
-                if (lane < kTopK) {
-                    reinterpret_cast<int *>(stage)[lane] = e;
-                    reinterpret_cast<float *>(stage)[kTopK + lane] = w;
-                }
-                __syncwarp();
-                __threadfence_system();   // the stage before the transport reads it
-            }
-            nvshmemx_putmem_signal_nbi_warp(local_record, stage, 8 * kTopK, reinterpret_cast<uint64_t *>(p.record_tags + slot),
-                                            epoch, NVSHMEM_SIGNAL_SET, dst);
-        }
-    }
-    if (!direct_sent) return;
-    __syncwarp();
-    fence_acq_rel_sys();   // (every lane) the records above before any of their tags
-    for (int t = first; t < kMaxTokens; t += step)
-        for (int dst = lane; dst < kRanks; dst += 32)
-            if (!s.masked[dst] && (dst == p.rank || s.peer_base[dst] != 0))
-                st_relaxed_sys(reinterpret_cast<unsigned long long *>(on_peer(
-                                   p.heap, s.peer_base, p.rank, dst, p.record_tags + static_cast<long long>(p.rank) * kMaxTokens + t)),
-                               epoch);
-}
-
 // What one block knows about the (source, token) item it works on, and its items whose tags are
 // not sent yet.
 template <int kTopK> struct CombineItem {
@@ -434,13 +451,15 @@ template <int kTopK> struct CombineItem {
 };
 enum ItemState { kItemSkip, kItemSend, kItemFailed };
 
-// Expert side: for each (source, token) item, remote sources first, one block waits for the
-// source's record, looks up the rows of the local experts it names (row map) and stores the partial
-// sum sum_k w_k * row_k (fp32, k ascending) into the source's slot [this rank][token] (a direct
-// store, or the stage of a put). Every 32 items and at the end: one fence, then all their tags.
-// An item whose record names no local expert sends nothing: the source does not wait for it.
-template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, int kThreads>
-__device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks> &s, const WaitContext &ctx,
+// Expert side: for each (source, token) item, one per block and claim, remote sources first, the
+// block takes the top-k ids and weights (a remote source's record, once its tag arrived; this
+// rank's own topk_idx / topk_weights), looks up the rows of the local experts they name (row map)
+// and stores the partial sum sum_k w_k * row_k (fp32, k ascending) into the source's slot
+// [this rank][token] (a direct store, or the stage of a put). Every 32 items and at the end: one
+// fence, then all their tags. An item whose ids name no local expert sends nothing: the source does
+// not wait for it.
+template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT, int kThreads>
+__device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks> &s, const Guard &ctx,
                                       unsigned long long epoch, CombineItem<kTopK> &item) {
     constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens;
     // Each thread sums kPerThread chunks of 8 channels (kThreads apart), kBatch top-k rows per
@@ -477,12 +496,14 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
         }
         pending = 0;
     };
-    for (int i = blockIdx.x; i < kRanks * kMaxTokens; i += gridDim.x) {
+    unsigned int *counter = p.tickets + kClaimItems;
+    for (int i = claim(s, counter, 1); i < kRanks * kMaxTokens; i = claim(s, counter, 1)) {
         const int src = source_of(i), t = i % kMaxTokens;
         if (s.masked[src]) continue;
         if (warp == 0) {
+            const bool own = src == p.rank;
             int w = kReady;
-            if (lane == 0)
+            if (!own && lane == 0)
                 w = wait_tag(ctx, p.record_tags + static_cast<long long>(src) * kMaxTokens + t, epoch, p.mask, shrink, src,
                              kPhaseRecord);
             w = __shfl_sync(kAll, w, 0);
@@ -491,14 +512,22 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
             float weight = 0.0f;
             bool local = false, failed = w == kFailed;
             if (w == kReady && lane < kTopK) {
-                const char *record = p.records + (static_cast<long long>(src) * kMaxTokens + t) * kRecordBytes;
-                const int e = ld_cg(reinterpret_cast<const int *>(record) + lane);
-                weight = ld_cg(reinterpret_cast<const float *>(record) + kTopK + lane);
+                int e = -1;
+                if (own) {
+                    if (t < p.num_tokens) {
+                        e = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + lane);
+                        weight = __ldg(p.topk_weights + static_cast<long long>(t) * kTopK + lane);
+                    }
+                } else {
+                    const char *record = p.records + (static_cast<long long>(src) * kMaxTokens + t) * kRecordBytes;
+                    e = ld_cg(reinterpret_cast<const int *>(record) + lane);
+                    weight = ld_cg(reinterpret_cast<const float *>(record) + kTopK + lane);
+                }
                 local = e >= 0 && e < kExperts && e / kLocalExperts == p.rank;
                 if (local) {
                     const int el = e % kLocalExperts;
                     const unsigned long long *flag = p.map_flags + el * kRanks + src;
-                    if (ctx.wait(p.rank, kPhaseRowMap, [&] { return ld_acquire_sys(flag) == epoch; })) {
+                    if (ctx.wait(p.rank, kPhaseRowMap, [&] { return ld_relaxed_sys(flag) == epoch && ld_acquire_sys(flag) == epoch; })) {
                         const int r = ld_cg(p.row_map + (static_cast<long long>(src) * kLocalExperts + el) * kMaxTokens + t);
                         if (r >= 0) row = static_cast<long long>(el) * kSlots + r;
                     } else {
@@ -582,7 +611,7 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
 // for that rank's partial sum, the ranks are put in ascending order, and the sums are added in
 // fp32 in that order, then rounded to bf16.
 template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT, int kThreads>
-__device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s, const WaitContext &ctx,
+__device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s, const Guard &ctx,
                              unsigned long long epoch, int (*ranks)[32]) {
     constexpr int kLocalExperts = kExperts / kRanks;
     // Each thread sums kPerThread chunks of 8 channels (kThreads apart), kBatch ranks per step:
@@ -674,24 +703,24 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     __shared__ BlockState<kRanks> s;
     __shared__ CombineItem<kTopK> item;
     __shared__ int ranks[kThreads / 32][32];
-    const WaitContext ctx = WaitContext::make(p.err, p.timeout_ns, p.op, p.rank);
+    const Guard ctx = Guard::make(p.failed, p.err, p.timeout_ns, p.op, p.rank);
     if (p.phases & kSend) {
         const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
-        combine_build_map<kHidden, kRanks, kExperts, kMaxTokens, kThreads>(p, epoch);
         wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);
-        if (!s.abort) {
+        if (!s.abort) {   // block-uniform: every claim below is taken by the whole block
             combine_send_records<kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, epoch);
-            combine_send_partials<kHidden, kTopK, kRanks, kExperts, kMaxTokens, kThreads>(p, s, ctx, epoch, item);
+            combine_build_map<kHidden, kRanks, kExperts, kMaxTokens, kThreads>(p, s, epoch);
+            combine_send_partials<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, item);
         }
-        finish_send<kRanks, kThreads / 32>(s, p.tickets, p.epochs, epoch);
+        finish_send<kRanks, kThreads / 32, true>(s, p.tickets, p.epochs, epoch);
     } else {
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     }
     if (p.phases & kRecv) {
         const unsigned long long epoch = ld_volatile(p.epochs + 1) + 1;
         combine_recv<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, ranks);
-        finish_recv(s, ctx, p.tickets + 1, p.epochs + 1, epoch, p.epochs, kPhaseSendEnd, p.acks, p.mask, p.heap, p.rank);
+        finish_recv(s, ctx, p.tickets + kTicketRecv, p.epochs + 1, epoch, p.epochs, kPhaseSendEnd, p.acks, p.mask, p.heap, p.rank);
     }
 }
 

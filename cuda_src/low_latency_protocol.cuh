@@ -102,35 +102,58 @@ __device__ __forceinline__ char *on_peer(char *heap, const long long *bases, int
 
 enum Wait { kReady, kMasked, kFailed };
 
-// Bounded spin on a 64-bit tag; a masked peer (now or after a timeout under shrink) ends it.
-__device__ __forceinline__ Wait wait_tag(const WaitContext &ctx, const unsigned long long *tag,
-                                         unsigned long long want, int *mask, bool shrink, int peer, int phase) {
-    unsigned int spins = 0;
-    while (ld_acquire_sys(tag) != want) {
-        if ((++spins & 1023u) == 0) {
+// Bounded spin on a 64-bit tag. Polls are relaxed loads: an acquire load per poll compiles to a
+// strong load plus an L1 invalidation (CCTL.IVALL) of the SM, which would slow every warp of the
+// block still sending. Once the tag is seen, one acquire load of the same word synchronises with
+// the writer's release (its value cannot change before this rank acknowledges the call). A masked
+// peer (now, or after a timeout under shrink) ends the wait, and so does a failure any wait of this
+// rank recorded (the Guard's device-memory flag; the host-mapped record is only written).
+__device__ __forceinline__ Wait wait_tag(const Guard &g, const unsigned long long *tag, unsigned long long want,
+                                         int *mask, bool shrink, int peer, int phase) {
+    for (unsigned int spins = 1;; ++spins) {
+        if (ld_relaxed_sys(tag) == want && ld_acquire_sys(tag) == want) return kReady;
+        if ((spins & 1023u) == 0) {
             if (*reinterpret_cast<volatile int *>(mask + peer) != 0) return kMasked;
-            if (globaltimer_ns() > ctx.deadline_ns) {
+            if (globaltimer_ns() > g.ctx.deadline_ns) {
                 if (shrink) {
                     atomicExch(mask + peer, 1);
                     return kMasked;
                 }
-                ctx.record(peer, phase);
+                g.timeout(peer, phase);
                 return kFailed;
             }
-            if (ctx.failed()) return kFailed;
+            if (g.failed()) return kFailed;
         }
     }
-    return kReady;
 }
 
-// Shared state of one block: peer bases and mask snapshot, the abort flag, and how many of its
-// warps finished the send part (finish_send).
+// Shared state of one block: peer bases and mask snapshot, the abort flag, how many of its warps
+// finished the send part (finish_send), and the block's latest claim (claim).
 template <int kRanks> struct BlockState {
     long long peer_base[kRanks];
     int masked[kRanks];
     int abort;
     int send_done;
+    int claim;
 };
+
+// The u32 counters of a buffer set (Params::tickets, epcomm.ops.low_latency_layout.Layout.tickets):
+// the grid tickets of a launch's send and receive parts, then the combine send part's work claims.
+// finish_send's last block resets the send ticket (and the combine's claims), finish_recv's the
+// receive ticket.
+enum Counter { kTicketSend, kTicketRecv, kClaimRecords, kClaimMaps, kClaimItems, kCounters = 8 };
+
+// Block-wide claim of `n` units of this launch's work: thread 0's atomicAdd on the counter, shared
+// through BlockState. Work taken in atomicAdd order goes to whichever blocks are running, so a
+// block never waits for work that only a block not (yet) resident would do: a launch may get fewer
+// SMs than blocks while another kernel holds some. Every thread of the block must call it.
+template <int kRanks>
+__device__ __forceinline__ int claim(BlockState<kRanks> &s, unsigned int *counter, int n) {
+    __syncthreads();   // every thread has read the previous claim
+    if (threadIdx.x == 0) s.claim = static_cast<int>(atomicAdd(counter, static_cast<unsigned int>(n)));
+    __syncthreads();
+    return s.claim;
+}
 
 template <int kRanks>
 __device__ void load_block_state(BlockState<kRanks> &s, const long long *peer_bases, const int *mask, int use_nvlink) {
@@ -144,18 +167,19 @@ __device__ void load_block_state(BlockState<kRanks> &s, const long long *peer_ba
 
 // Before the n-th send on a set: every destination must have acknowledged n-1 receives there.
 template <int kRanks>
-__device__ void wait_released(BlockState<kRanks> &s, const WaitContext &ctx, const unsigned long long *acks,
+__device__ void wait_released(BlockState<kRanks> &s, const Guard &g, const unsigned long long *acks,
                               unsigned long long send_epoch, int *mask, bool shrink) {
     for (int r = threadIdx.x; r < kRanks; r += blockDim.x) {
         if (s.masked[r]) continue;
+        const unsigned long long want = send_epoch - 1;   // relaxed polls, then one acquire (wait_tag)
         unsigned int spins = 0;
-        while (ld_acquire_sys(acks + r) + 1 < send_epoch) {
-            if ((++spins & 1023u) == 0 && (globaltimer_ns() > ctx.deadline_ns || ctx.failed())) {
-                if (shrink && !ctx.failed()) {
+        while (!(ld_relaxed_sys(acks + r) >= want && ld_acquire_sys(acks + r) >= want)) {
+            if ((++spins & 1023u) == 0 && (globaltimer_ns() > g.ctx.deadline_ns || g.failed())) {
+                if (shrink && !g.failed()) {
                     atomicExch(mask + r, 1);
                     s.masked[r] = 1;
                 } else {
-                    if (!ctx.failed()) ctx.record(r, 0);
+                    if (!g.failed()) g.timeout(r, 0);
                     s.abort = 1;
                 }
                 break;
@@ -167,21 +191,24 @@ __device__ void wait_released(BlockState<kRanks> &s, const WaitContext &ctx, con
 
 // End of a launch's send part, warp by warp: no block barrier, so in a fused launch a warp with
 // nothing (left) to send starts receiving at once. The block's last warp to get here takes the
-// grid ticket for its block; the grid's last one resets the ticket and stores the new send count
-// (read by the next launch, or by finish_recv's wait below). Each warp's lane 0 fences before
-// counting itself, after a __syncwarp, so everything its warp wrote precedes the count; the last
-// warp fences again after reading it (acquire side) before the ticket.
-template <int kRanks, int kWarps>
-__device__ void finish_send(BlockState<kRanks> &s, unsigned int *ticket, unsigned long long *epoch,
+// grid ticket for its block; the grid's last one resets the ticket and, with `claims` (combine),
+// the claims (no block of the launch claims any more), then stores the new send count (read by the
+// next launch, or by finish_recv's wait below). Each warp's lane 0 fences before counting itself,
+// after a __syncwarp, so everything its warp wrote precedes the count; the last warp fences again
+// after reading it (acquire side) before the ticket, and once more so the resets precede the count.
+template <int kRanks, int kWarps, bool kClaims>
+__device__ void finish_send(BlockState<kRanks> &s, unsigned int *counters, unsigned long long *epoch,
                             unsigned long long value) {
     __syncwarp();
     if (lane_id() != 0) return;
     __threadfence();
     if (atomicAdd(&s.send_done, 1) != kWarps - 1) return;
     __threadfence();
-    if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
+    if (atomicAdd(counters + kTicketSend, 1u) != gridDim.x - 1) return;
     __threadfence();
-    *ticket = 0;
+    counters[kTicketSend] = 0;
+    if (kClaims) counters[kClaimRecords] = counters[kClaimMaps] = counters[kClaimItems] = 0;
+    __threadfence();
     *epoch = value;
 }
 
@@ -191,7 +218,7 @@ __device__ void finish_send(BlockState<kRanks> &s, unsigned int *ticket, unsigne
 // acknowledgement also waits until this rank's send part of the call has ended: a hook's receive
 // launch on another stream may otherwise overtake it.
 template <int kRanks>
-__device__ void finish_recv(const BlockState<kRanks> &s, const WaitContext &ctx, unsigned int *ticket,
+__device__ void finish_recv(const BlockState<kRanks> &s, const Guard &ctx, unsigned int *ticket,
                             unsigned long long *epoch, unsigned long long value, const unsigned long long *send_epoch,
                             int send_phase, unsigned long long *acks, const int *mask, char *heap, int rank) {
     __syncthreads();

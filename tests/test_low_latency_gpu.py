@@ -10,8 +10,11 @@ next one. Buffers are shared per set of constructor flags and destroyed at the e
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
@@ -550,6 +553,134 @@ def test_hook_overlap(dist_env):
     recv, count, handle = out
     problems, _ = _check_dispatch(case, rank, dist_env.world_size, inputs, (recv[0], recv[1], count, handle, None))
     _verdict(dist_env, problems, "hook overlap")
+
+
+# ---- another kernel holds most SMs --------------------------------------------------------------
+HOLD_SRC = r"""
+#include "common/ptx.cuh"
+namespace epcomm {
+struct HoldParams { const unsigned int *release; unsigned int *released; unsigned long long max_ns; };
+// Launched with all the dynamic shared memory a block may have: one block per SM and nothing else
+// beside it. Holds its SM until *release != 0 (counting itself in *released) or max_ns passed.
+__global__ void hold_sms(const __grid_constant__ HoldParams p) {
+    extern __shared__ unsigned int hold_smem[];
+    if (threadIdx.x == 0) {
+        const unsigned long long start = globaltimer_ns();
+        unsigned int flag = 0;
+        while ((flag = *reinterpret_cast<const volatile unsigned int *>(p.release)) == 0 &&
+               globaltimer_ns() - start < p.max_ns)
+            __nanosleep(2000);
+        hold_smem[0] = flag;
+        if (flag != 0) atomicAdd(p.released, 1u);
+    }
+    __syncthreads();
+}
+}
+"""
+HOLD_MAX_S = 15.0   # under EPCOMM_TIMEOUT_S (20 s): a stalled send part shows as a held-too-long holder
+
+
+class HoldParams(ctypes.Structure):
+    _fields_ = [("release", ctypes.c_void_p), ("released", ctypes.c_void_p), ("max_ns", ctypes.c_uint64)]
+
+
+@pytest.fixture(scope="module")
+def sm_holder(dist_env):
+    """(kernel, shared-memory bytes, stream) of hold_sms, built from a copy of cuda_src/ plus
+    HOLD_SRC; the stream is created non-blocking (no implicit order with the legacy default
+    stream the low-latency calls may run on)."""
+    from epcomm.runtime import compiler
+    from epcomm.runtime.launch import driver
+    from epcomm.runtime.module import get_kernel
+    smem = getattr(torch.cuda.get_device_properties(dist_env.device), "shared_memory_per_block_optin", 0)
+    if not smem:   # older torch: CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        value = ctypes.c_int()
+        assert driver().cuDeviceGetAttribute(ctypes.byref(value), 97, dist_env.device.index) == 0
+        smem = value.value
+    with tempfile.TemporaryDirectory() as tmp:
+        root = os.path.join(tmp, "cuda_src")
+        shutil.copytree(compiler.cuda_src_dir(), root)
+        with open(os.path.join(root, "hold_sms.cu"), "w") as f:
+            f.write(HOLD_SRC)
+        with compiler.cuda_src_override(root):
+            kernel = get_kernel(compiler.KernelSource("hold_sms.cu", ("epcomm::hold_sms",)), 0, dist_env.device.index)
+    kernel.set_max_dynamic_smem(smem)
+    torch.cuda.synchronize()   # torch's context is current on this thread
+    stream = ctypes.c_void_p()
+    assert driver().cuStreamCreate(ctypes.byref(stream), 1) == 0   # CU_STREAM_NON_BLOCKING
+    yield kernel, smem, stream.value
+    torch.cuda.synchronize()
+    driver().cuStreamDestroy_v2(stream)
+
+
+def _while_held(dist_env, holder, free_sms: int, launch, what: str, problems: list):
+    """Run launch() (it queues kernels on the current stream) while hold_sms holds all SMs but
+    `free_sms` from a side stream, on every rank at about the same time. The holder is released by
+    a store queued on the current stream after launch()'s kernels, so it reports every block
+    released by the flag only if those kernels finished on `free_sms` SMs alone."""
+    kernel, smem, side = holder
+    dev = dist_env.device
+    blocks = torch.cuda.get_device_properties(dev).multi_processor_count - free_sms
+    flags = torch.zeros(2, dtype=torch.int32, device=dev)   # [release, holder blocks released by it]
+    torch.cuda.synchronize()
+    dist_env.barrier()
+    kernel.launch((blocks, 1, 1), (1024, 1, 1), HoldParams(flags.data_ptr(), flags.data_ptr() + 4, int(HOLD_MAX_S * 1e9)),
+                  side, smem=smem)
+    time.sleep(0.05)     # every holder block is resident (they start in microseconds)
+    start = time.monotonic()
+    out = launch()
+    flags[0].fill_(1)    # current stream: runs once launch()'s kernels are done
+    torch.cuda.synchronize()
+    elapsed = time.monotonic() - start
+    released = int(flags[1].item())
+    if released != blocks:
+        problems.append(f"{what}: did not finish on {free_sms} free SMs ({released} of {blocks} holder blocks "
+                        f"released by it, {elapsed:.1f} s; the holder gives up after {HOLD_MAX_S} s)")
+    return out
+
+
+@pytest.mark.parametrize("free_sms", [1, 5])
+def test_sends_with_most_sms_held(dist_env, sm_holder, free_sms):
+    """Another kernel (another stream) holds all SMs but `free_sms` while the hook-mode send parts of
+    dispatch and combine, and a fused combine, run: only that many of their blocks are resident at
+    a time, so no block may wait for work that a later block would do (the combine send part claims
+    records, row maps and items from counters). Each must finish while the SMs are held, without a
+    timeout, bit for bit against the oracle. (A fused dispatch is not run here: its blocks send their
+    own tokens and lists, then wait for the peer's.)"""
+    case, rank, num_ranks, dev = FP8_TARGET, dist_env.rank, dist_env.world_size, dist_env.device
+    buf = _buffer(dist_env, shapes=[TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES])
+    kernel, smem, _ = sm_holder
+    if kernel.max_active_blocks_per_sm(1024, smem) != 1:
+        pytest.skip("the premise does not hold on this GPU: one holder block per SM")
+    buf.clean_low_latency_buffer(case.T, case.H, case.E)
+    inputs = _gather(_inputs(case, rank, 80 + free_sms))
+    x, topk_idx, weights = (t.to(dev) for t in inputs[rank])
+    problems = []
+    (recv_x, scales), count, handle, _, hook = _while_held(
+        dist_env, sm_holder, free_sms,
+        lambda: buf.low_latency_dispatch(x, topk_idx, case.T, case.E, return_recv_hook=True),
+        "dispatch send part (hook)", problems)
+    hook()
+    torch.cuda.synchronize()
+    p, _ = _check_dispatch(case, rank, num_ranks, inputs, (recv_x, scales, count, handle, None))
+    problems += [f"dispatch: {m}" for m in p]
+    x_c = _combine_input(case, rank, num_ranks, recv_x, scales, count)
+    combined, _, hook = _while_held(
+        dist_env, sm_holder, free_sms,
+        lambda: buf.low_latency_combine(x_c, topk_idx, weights, handle, return_recv_hook=True),
+        "combine send part (hook)", problems)
+    hook()
+    torch.cuda.synchronize()
+    problems += [f"hook combine: {m}" for m in _check_combine(case, rank, inputs, x_c, handle, combined)]
+    combined, _, _ = _while_held(dist_env, sm_holder, free_sms,
+                                 lambda: buf.low_latency_combine(x_c, topk_idx, weights, handle),
+                                 "fused combine", problems)
+    problems += [f"fused combine: {m}" for m in _check_combine(case, rank, inputs, x_c, handle, combined)]
+    try:
+        buf._backend.check_errors()   # a PeerTimeout recorded by any of them raises here
+    except Exception as e:            # reported on every rank by _verdict, not raised on this one alone
+        problems.append(f"error recorded: {e!r}")
+    _verdict(dist_env, problems, f"sends with {free_sms} free SMs")
 
 
 def test_peer_timeout_names_the_peer(dist_env):

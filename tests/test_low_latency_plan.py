@@ -1,9 +1,11 @@
 """Low-latency mode without a GPU: the kernels compile and link for both feature sets, the ctypes
-Params and the shared-memory / message formulas mirror the C++, and the RDMA size hint covers a
-layout whose regions are aligned and disjoint."""
+Params and the shared-memory / message formulas mirror the C++, the RDMA size hint covers a
+layout whose regions are aligned and disjoint, and a model of the combine send part's work claims
+ends with any number of resident blocks."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
@@ -31,7 +33,8 @@ def test_params_mirror_cpp(struct, mirror):
 
 def test_shapes_mirror_cpp():
     """message_bytes / dispatch_smem_bytes equal the kernel's Message / DispatchShape constants."""
-    lines = ['#include "low_latency.cu"']
+    lines = ['#include "low_latency.cu"',
+             f'static_assert(4 * epcomm::ll::kCounters == {lay.TICKET_BYTES}, "per-set u32 counters");']
     for hidden, topk, fp8 in itertools.product((128, 1032 * 8, 2176, 7168, 8192, 32768), (1, 4, 8, 9, 16, 32),
                                                (True, False)):
         if fp8 and hidden % 128:
@@ -56,10 +59,10 @@ def test_dispatch_shared_memory_fits_a_block():
 def _regions(layout: lay.Layout):
     """(name, offset, bytes) of every region the kernels touch, for both sets."""
     T, H, R, E = layout.num_max_tokens, layout.hidden, layout.num_ranks, layout.num_experts
-    out = [("mask", layout.mask, 4 * R)]
+    out = [("mask", layout.mask, 4 * R), ("failed", layout.failed, 4)]
     for s in (0, 1):
         out += [(f"acks{s}", layout.acks(s), 8 * R), (f"epochs{s}", layout.epochs(s), 16),
-                (f"tickets{s}", layout.tickets(s), 8),
+                (f"tickets{s}", layout.tickets(s), lay.TICKET_BYTES),
                 (f"token_tags{s}", layout.token_tags(s), 8 * R * T), (f"record_tags{s}", layout.record_tags(s), 8 * R * T),
                 (f"partial_tags{s}", layout.partial_tags(s), 8 * R * T), (f"map_flags{s}", layout.map_flags(s), 8 * E),
                 (f"list_tags{s}", layout.list_tags(s), 8 * E), (f"lists{s}", layout.lists(s), E * lay.list_bytes(T)),
@@ -148,3 +151,109 @@ def test_representative_kernels_compile_and_link(arch_sm, feature):
                                    arch_sm, feature)
     assert built.cubin[:4] == b"\x7fELF"
     assert set(built.lowered) == set(kernels)
+
+
+def _combine_send_model(rnd, ranks, grid, resident, tokens, pairs, warps, fused, claims=True, needs=None):
+    """The combine send part (then, fused, the receive part) on every rank, blocks scheduled at
+    random with at most `resident` blocks of a rank running, the others started in blockIdx order
+    as running ones exit (a launch that another kernel's SMs leave short). claims: records (warps
+    per claim), maps (warps per claim), items (one per claim) from the rank's counters, as the
+    kernel; otherwise the old static split by blockIdx. Each item needs the source's record (not for
+    this rank's own) and one random map pair of this rank; a fused block then waits for every
+    rank's partial of its tokens t = blockIdx + j * grid. -> True if every block finished."""
+    if needs is None:
+        needs = {(r, i): rnd.randrange(pairs) for r in range(ranks) for i in range(ranks * tokens)}
+    record = [[False] * tokens for _ in range(ranks)]      # record[src][t] sent to every rank
+    built = [[False] * pairs for _ in range(ranks)]
+    partial = [[[False] * tokens for _ in range(ranks)] for _ in range(ranks)]   # [expert rank][src][t]
+    counters = [[0, 0, 0] for _ in range(ranks)]
+    blocks = [{"rank": r, "b": b, "phase": 0, "item": None, "units": None} for r in range(ranks) for b in range(grid)]
+    waiting = {r: [blk for blk in blocks if blk["rank"] == r] for r in range(ranks)}
+    running = []
+
+    def units(blk, phase):   # the static split of the old kernel, per phase
+        b = blk["b"]
+        if phase == 0:
+            return [t for w in range(warps) for t in range((warps - 1 - w) * grid + b, tokens, grid * warps)]
+        if phase == 1:
+            return [q for w in range(warps) for q in range(b * warps + w, pairs, grid * warps)]
+        return list(range(b, ranks * tokens, grid))
+
+    def step(blk):   # one step of a running block; False if it is waiting
+        rank, phase = blk["rank"], blk["phase"]
+        if phase < 2:
+            n = tokens if phase == 0 else pairs
+            if claims:
+                base = counters[rank][phase]
+                counters[rank][phase] += warps
+                if base >= n:
+                    blk["phase"] += 1
+                    return True
+                got = range(base, min(base + warps, n))
+            else:
+                got = units(blk, phase)
+                blk["phase"] += 1
+            for u in got:
+                (record if phase == 0 else built)[rank][u] = True
+            return True
+        if phase == 2:
+            if blk["item"] is None:
+                if claims:
+                    i = counters[rank][2]
+                    counters[rank][2] += 1
+                    if i >= ranks * tokens:
+                        blk["phase"] = 3
+                        return True
+                else:
+                    blk["units"] = units(blk, 2) if blk["units"] is None else blk["units"]
+                    if not blk["units"]:
+                        blk["phase"] = 3
+                        return True
+                    i = blk["units"].pop(0)
+                blk["item"] = i
+                return True
+            i = blk["item"]
+            src, t = (rank + 1 + i // tokens) % ranks, i % tokens
+            if (not record[src][t] and (src != rank or not claims)) or not built[rank][needs[(rank, i)]]:
+                return False
+            partial[rank][src][t] = True
+            blk["item"] = None
+            return True
+        mine = list(range(blk["b"], tokens, grid)) if fused else []
+        if all(partial[d][rank][t] for d in range(ranks) for t in mine):
+            running.remove(blk)
+            return True
+        return False
+
+    for _ in range(200_000):
+        for r in range(ranks):
+            while waiting[r] and sum(blk["rank"] == r for blk in running) < resident:
+                running.append(waiting[r].pop(0))
+        if not running:
+            return True
+        order = list(running)
+        rnd.shuffle(order)
+        if not any(step(blk) for blk in order):
+            return False
+    raise AssertionError("the model did not end")
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_combine_send_claims_progress_with_few_resident_blocks(seed):
+    """Model of cuda_src/low_latency.cu's combine send part (claims: records, then row maps, then
+    items): with any number >= 1 of resident blocks per rank, in any order, every launch ends, fused
+    or not. The old static split by blockIdx deadlocks in the same model once one block is resident
+    and another block owns a record or a map (the model can tell)."""
+    rnd = random.Random(seed)
+    shape = dict(ranks=rnd.randint(1, 3), grid=rnd.randint(2, 6), tokens=rnd.randint(1, 12),
+                 pairs=rnd.randint(1, 12), warps=rnd.randint(1, 3))
+    for resident in (1, rnd.randint(1, shape["grid"]), shape["grid"]):
+        for fused in (False, True):
+            assert _combine_send_model(random.Random(seed * 7 + resident), resident=resident, fused=fused, **shape), \
+                (shape, resident, fused)
+    # item i (block i % 4 in the static split) needs map pair i + 1 (block (i + 1) % 4)
+    static = dict(ranks=2, grid=4, tokens=8, pairs=8, warps=1, needs={(r, i): (i + 1) % 8 for r in range(2) for i in range(16)})
+    for fused in (False, True):
+        assert not _combine_send_model(random.Random(seed), resident=1, fused=fused, claims=False, **static)
+        assert _combine_send_model(random.Random(seed), resident=4, fused=fused, claims=False, **static)
+        assert _combine_send_model(random.Random(seed), resident=1, fused=fused, **static)

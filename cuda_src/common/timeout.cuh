@@ -63,4 +63,58 @@ struct WaitContext {
     }
 };
 
+// WaitContext plus a sticky failure flag in device memory, for kernels whose waits are many and
+// hot: the host-mapped ErrorRecord is written once on failure (what the host raises from), and
+// waits poll the flag instead. Why not WaitContext::failed(): it reads host memory over PCIe, and
+// such reads serialise GPU-wide at ~1.1 us each (measured on 2 x H200: 384 warps each checking it
+// once at kernel start took 420 us, the whole fixed cost of an intranode call; bench/NOTES.md). A
+// failure makes the Buffer unusable (StatusRecord.check), so the flag needs no clearing; a new
+// Buffer starts zeroed. The flag is per rank: kernels of later calls see it and wind down at once.
+struct Guard {
+    WaitContext ctx;
+    unsigned int *flag;   // device memory of this rank
+
+    __device__ __forceinline__ static Guard make(unsigned int *flag, ErrorRecord *err, unsigned long long timeout_ns,
+                                                 int op, int rank) {
+        return Guard{WaitContext::make(err, timeout_ns, op, rank), flag};
+    }
+    __device__ __forceinline__ bool failed() const { return *static_cast<volatile unsigned int *>(flag) != 0; }
+    __device__ __forceinline__ void raise_flag() const {
+        *static_cast<volatile unsigned int *>(flag) = 1u;
+        __threadfence();
+    }
+    // A peer did not answer in time: ErrorRecord code kPeerTimeout (PeerTimeout on the host).
+    __device__ __noinline__ void timeout(int peer, int phase) const {
+        ctx.record(peer, phase);
+        raise_flag();
+    }
+    // A size/config violation only the GPU can see: ErrorRecord code kDeviceCheckFailed.
+    __device__ __noinline__ void violation(int peer, int phase) const {
+        ErrorRecord *err = ctx.err;
+        if (atomicCAS(&err->code, kOk, kDeviceCheckFailed) == kOk) {
+            err->op = ctx.op;
+            err->rank = ctx.rank;
+            err->peer = peer;
+            err->phase = phase;
+            __threadfence_system();
+        }
+        raise_flag();
+    }
+    // Spin until ready(); every 1024 polls check the local flag and the deadline (%globaltimer).
+    template <class Ready>
+    __device__ __forceinline__ bool wait(int peer, int phase, Ready ready) const {
+        unsigned int spins = 0;
+        while (!ready()) {
+            if ((++spins & 1023u) == 0) {
+                if (failed()) return false;
+                if (globaltimer_ns() > ctx.deadline_ns) {
+                    timeout(peer, phase);
+                    return false;
+                }
+            }
+        }
+        return true;
+    }
+};
+
 }  // namespace epcomm

@@ -34,7 +34,8 @@ COMBINE_PHASES = ["wait for a peer to release the buffer set", "wait for a sourc
                   "wait for this rank's row map", "wait for an expert rank's partial sum",
                   "wait for this rank's send part to end"]
 
-_SHARED = [("heap", _P), ("peer_bases", _P), ("acks", _P), ("epochs", _P), ("tickets", _P), ("mask", _P)]
+_SHARED = [("heap", _P), ("peer_bases", _P), ("acks", _P), ("epochs", _P), ("tickets", _P), ("mask", _P),
+           ("failed", _P)]
 
 
 class DispatchParams(ctypes.Structure):
@@ -197,7 +198,8 @@ class LowLatency:
         gb, base = self.gb, self.gb.rdma.ptr
         p.heap, p.peer_bases = base, gb.rdma.peer_table.data_ptr()
         p.acks, p.epochs, p.tickets = base + layout.acks(s), base + layout.epochs(s), base + layout.tickets(s)
-        p.mask, p.err, p.rank, p.op = base + layout.mask, gb.status.device_ptr, self.rank, op
+        p.mask, p.failed, p.err = base + layout.mask, base + layout.failed, gb.status.device_ptr
+        p.rank, p.op = self.rank, op
         p.use_nvlink, p.enable_shrink, p.timeout_ns = self.use_nvlink, self.enable_shrink, gb.timeout_ns
 
     def _set_for_call(self, plan: _Plan) -> int:
@@ -358,8 +360,9 @@ class LowLatency:
 
     # ---- maintenance -------------------------------------------------------------------------
     def clean_buffer(self, T: int, H: int, E: int) -> None:
-        """Collective: reset the call counters, acknowledgements and tags for (T, H, E) on every
-        rank (the mask is kept). Synchronises the GPU and all ranks; not for CUDA graphs."""
+        """Collective: reset the call counters, acknowledgements, tags and the kernels' failure flag
+        for (T, H, E) on every rank (the mask is kept; a recorded failure still makes the Buffer
+        unusable through the host record). Synchronises the GPU and all ranks; not for CUDA graphs."""
         layout = self._layout(T, H, E)
         self.gb.nvshmem.barrier_all()   # no rank still runs a low-latency kernel
         self.gb.rdma.view(torch.uint8, (layout.mask,), 0).zero_()

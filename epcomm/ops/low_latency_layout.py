@@ -6,7 +6,9 @@ calls rdma_size_hint on the CPU).
 
 control   (depends on R only; offset 0)
           per set: acks [R] u64 (written by the peers), epochs [2] u64 (calls sent / received on the
-          set), tickets [2] u32 (blocks done with the current launch's send / receive part);
+          set), tickets [8] u32 (epcomm::ll::Counter: blocks done with the current launch's send /
+          receive part, then the combine send part's work claims: records, maps, items);
+          then failed u32 (16 B: the kernels' sticky failure flag, set with the PeerTimeout record),
           then mask [R] i32 (enable_shrink).
 signals   per set, depends on (T, E): token_tags [R][T] u64 (dispatch messages: a token goes once
           to each rank), record_tags [R][T] u64 (combine: top-k records, by source rank),
@@ -37,6 +39,7 @@ SMEM_BUDGET = 96 * 1024      # DispatchShape::kSmemBudget
 ALIGN = 256                  # every region starts on this boundary
 MAX_TOPK = 32                # the kernels give one lane per top-k slot
 RECORD_BYTES = 8 * MAX_TOPK  # combine top-k record: K i32 expert ids, then K f32 weights
+TICKET_BYTES = 4 * 8         # per set: u32 counters [epcomm::ll::kCounters]
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -82,7 +85,7 @@ class Layout:
     # ---- control ---------------------------------------------------------------------------
     @property
     def _set_control_bytes(self) -> int:
-        return _align(8 * self.num_ranks, 16) + 32
+        return _align(8 * self.num_ranks, 16) + 16 + TICKET_BYTES
 
     def acks(self, s: int) -> int:
         return s * self._set_control_bytes
@@ -94,8 +97,12 @@ class Layout:
         return self.epochs(s) + 16
 
     @property
-    def mask(self) -> int:
+    def failed(self) -> int:
         return 2 * self._set_control_bytes
+
+    @property
+    def mask(self) -> int:
+        return self.failed + 16
 
     @property
     def control_bytes(self) -> int:
