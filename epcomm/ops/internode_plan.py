@@ -51,7 +51,7 @@ PHASES = [
     "waiting for a node's partial sums",
     "more rows received than num_worst_tokens",
     "ranks use different chunk counts, expert counts or token formats (Config.num_sms, num_experts, "
-    "hidden, FP8 or top-k differ)",
+    "hidden, FP8 or top-k differ, or topk_weights given to combine on some ranks only)",
     "the largest N of all ranks does not fit the RDMA buffer (internode calls are one-shot: raise "
     "num_rdma_bytes; Config.get_rdma_buffer_size_hint)",
 ]
