@@ -99,8 +99,9 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
     }
 
     // Stage one row per destination in this rank's buffer, put it with a signal (self included).
-    // Only the used part travels: up to this rank's expert counts.
-    const int used = kExperts + num_le;
+    // Only the used part travels: up to this rank's expert counts, in whole 16-byte units (ints is a
+    // multiple of 4 and has room for kMaxLocalExperts >= E_l: the host checks it).
+    const int used = min((kExperts + num_le + 3) / 4 * 4, ints);
     for (int r = warp; r < kRanks; r += num_warps) {
         int *row = reinterpret_cast<int *>(base + p.stage_offset) + r * ints;
         const int r_node = r / kLocal;
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
             if (i < kNotifyHead) v = head[i];
             else if (i < kPrefix) v = sent[i - kSent];
             else if (i < kPrefix + stride) v = p.rdma_channel_prefix[r_node * stride + i - kPrefix];
-            else if (i >= kExperts) v = __ldg(p.num_tokens_per_expert + r * num_le + i - kExperts);
+            else if (i >= kExperts && i < kExperts + num_le) v = __ldg(p.num_tokens_per_expert + r * num_le + i - kExperts);
             row[i] = v;
         }
         int *dst = reinterpret_cast<int *>(base + p.area_offset) + p.rank * ints;

@@ -374,6 +374,16 @@ def capacities(buf, world: int):
             plan.CombineLayout(nbytes, world, 1, HIDDEN * 2).capacity)
 
 
+def uneven_over_capacity(dist_env, buf, fits_dispatch: bool, seed: int):
+    """(every rank's inputs, N of the capacity-sized rank) with N alternating by rank between half
+    combine's capacity and a big N that fits dispatch but not combine (fits_dispatch: the reviewer's
+    (1000, 4600) on 2 ranks at 256 MiB) or not even dispatch ((900, 5000))."""
+    dispatch_cap, combine_cap = capacities(buf, dist_env.world_size)
+    ns = (combine_cap // 2, dispatch_cap - 55 if fits_dispatch else dispatch_cap + 345)
+    assert combine_cap < ns[1], (dispatch_cap, combine_cap)
+    return inputs_for(dist_env, 1, ns, seed=seed, hidden=HIDDEN, num_experts=64, num_topk=8), combine_cap
+
+
 def test_too_many_tokens_raise_before_the_data_kernel(dist_env):
     """A buffer that holds fewer tokens than N: ValueError on every rank once notify told every rank
     the largest N (exact mode), nothing written; then a call that fits works."""
@@ -405,19 +415,15 @@ def test_uneven_n_over_capacity_raises_on_every_rank_in_exact_mode(dist_env):
         pytest.skip("needs 2 or more ranks")
     buf = make_buffer(dist_env, 1)
     try:
-        dispatch_cap, combine_cap = capacities(buf, world)
-        ns = (combine_cap // 2, dispatch_cap - 55)
-        assert combine_cap < ns[1], (dispatch_cap, combine_cap)
-        inputs = inputs_for(dist_env, 1, ns, seed=111, hidden=HIDDEN, num_experts=64, num_topk=8)
+        inputs, combine_cap = uneven_over_capacity(dist_env, buf, True, seed=111)
         got = run_dispatch(buf, inputs[rank], device, False)
         check(dist_env, dispatch_errors(got, expected(inputs, rank, 64, False), False, rank, inputs),
-              f"dispatch of {ns} tokens (dispatch capacity {dispatch_cap})")
+              "dispatch of N up to its capacity")
 
         def every_rank_raises():
             with pytest.raises(ValueError, match="do not fit the RDMA buffer.*largest N of all ranks"):
                 buf.combine(got[0], got[4], topk_weights=got[2])
-            over = inputs_for(dist_env, 1, (ns[0], dispatch_cap + 345), seed=112, hidden=HIDDEN, num_experts=64,
-                              num_topk=8)
+            over = uneven_over_capacity(dist_env, buf, False, seed=112)[0]
             with pytest.raises(ValueError, match="do not fit the RDMA buffer.*largest N of all ranks"):
                 run_dispatch(buf, over[rank], device, False)
         on_all_ranks(dist_env, every_rank_raises)
@@ -442,9 +448,7 @@ def test_uneven_n_over_capacity_fails_on_every_rank_with_num_worst_tokens(dist_e
         pytest.skip("needs 2 or more ranks")
     buf = make_buffer(dist_env, 1)
     try:
-        dispatch_cap, combine_cap = capacities(buf, world)
-        ns = (combine_cap // 2, dispatch_cap - 55 if stage == "combine" else dispatch_cap + 345)
-        inputs = inputs_for(dist_env, 1, ns, seed=121, hidden=HIDDEN, num_experts=64, num_topk=8)
+        inputs = uneven_over_capacity(dist_env, buf, stage == "combine", seed=121)[0]
         num_worst = sum(len(i.x) for i in inputs)
 
         def every_rank_fails():
@@ -498,24 +502,34 @@ def test_ranks_with_different_formats_fail_on_every_rank(dist_env, differs):
         release(dist_env, buf, failed=True)
 
 
+def short_timeout_buffer(dist_env, local: int, seed: int):
+    """(Buffer of nodes of `local` ranks with a 3 s EPCOMM_TIMEOUT_S and its kernels built, the rank
+    that is to skip a call (the last), every rank's inputs of 256 tokens)."""
+    buf = make_buffer(dist_env, local, timeout_s="3")
+    inputs = inputs_for(dist_env, local, (256,), seed=seed, hidden=HIDDEN, num_experts=64, num_topk=8)
+    warm_kernels(dist_env, buf)
+    return buf, dist_env.world_size - 1, inputs
+
+
+def on_waiting_ranks(dist_env, skipper: int, sees_the_timeout) -> None:
+    """Once every rank finished its calls so far: sees_the_timeout() on every rank but the skipper
+    (which skips the next call), failing on all ranks together."""
+    torch.cuda.synchronize()
+    dist_env.barrier()
+    on_all_ranks(dist_env, lambda: None if dist_env.rank == skipper else sees_the_timeout())
+
+
 def test_peer_timeout_names_the_peer(dist_env):
     """The last rank skips a dispatch: the others get PeerTimeout naming it (op, rank, peer) within
     the Buffer's 3 s bound; the Buffer is then unusable and the process carries on."""
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
     if world < 2:
         pytest.skip("needs 2 or more ranks")
-    buf = make_buffer(dist_env, 1, timeout_s="3")
-    skipper = world - 1
-    inputs = inputs_for(dist_env, 1, (256,), seed=101, hidden=HIDDEN, num_experts=64, num_topk=8)
-    warm_kernels(dist_env, buf)
+    buf, skipper, inputs = short_timeout_buffer(dist_env, 1, seed=101)
     got = run_dispatch(buf, inputs[rank], device, False)   # every rank takes part once
     check(dist_env, dispatch_errors(got, expected(inputs, rank, 64, False), False, rank, inputs), "before")
-    torch.cuda.synchronize()
-    dist_env.barrier()
 
     def waiting_rank_sees_the_timeout():
-        if rank == skipper:
-            return
         began = time.monotonic()
         with pytest.raises(PeerTimeout) as caught:
             run_dispatch(buf, inputs[rank], device, False)
@@ -524,7 +538,7 @@ def test_peer_timeout_names_the_peer(dist_env):
         assert 2.0 <= seconds <= 60.0, f"PeerTimeout after {seconds:.1f} s with a 3 s bound"
         with pytest.raises(BufferUnusable):
             run_dispatch(buf, inputs[rank], device, False)
-    on_all_ranks(dist_env, waiting_rank_sees_the_timeout)
+    on_waiting_ranks(dist_env, skipper, waiting_rank_sees_the_timeout)
     release(dist_env, buf, failed=True)   # the skipper is alive: teardown may be collective
 
 
@@ -536,20 +550,13 @@ def test_peer_timeout_in_combine(dist_env, local):
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
     if world % local or world // local < 2:
         pytest.skip(f"needs at least 2 nodes of {local} ranks; this run has {world}")
-    buf = make_buffer(dist_env, local, timeout_s="3")
-    skipper = world - 1
-    inputs = inputs_for(dist_env, local, (256,), seed=131, hidden=HIDDEN, num_experts=64, num_topk=8)
-    warm_kernels(dist_env, buf)
+    buf, skipper, inputs = short_timeout_buffer(dist_env, local, seed=131)
     got = run_dispatch(buf, inputs[rank], device, False)
     combined, weights, _ = buf.combine(got[0], got[4], topk_weights=got[2])   # every rank once
     check(dist_env, round_trip_errors(combined, weights, inputs[rank]), "before")
     got = run_dispatch(buf, inputs[rank], device, False)   # every rank: the combine alone is skipped
-    torch.cuda.synchronize()
-    dist_env.barrier()
 
     def waiting_rank_sees_the_timeout():
-        if rank == skipper:
-            return
         began = time.monotonic()
         buf.combine(got[0], got[4], topk_weights=got[2])   # no host sync: the next call reports it
         torch.cuda.synchronize()
@@ -563,5 +570,5 @@ def test_peer_timeout_in_combine(dist_env, local):
         assert 2.0 <= seconds <= 60.0, f"combine ended after {seconds:.1f} s with a 3 s bound"
         with pytest.raises(BufferUnusable):
             buf.combine(got[0], got[4], topk_weights=got[2])
-    on_all_ranks(dist_env, waiting_rank_sees_the_timeout)
+    on_waiting_ranks(dist_env, skipper, waiting_rank_sees_the_timeout)
     release(dist_env, buf, failed=True)
