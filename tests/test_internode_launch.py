@@ -156,9 +156,10 @@ def test_capacity_and_buffer_errors_come_before_any_launch(launches, monkeypatch
     with pytest.raises(ValueError, match="the largest N of all ranks"):
         dispatch(gb, x)
     assert len(launches) == 1   # notify only
+    topk_idx, weights, per_rank, per_node, _, in_rank = routing(64)
+    too_many = torch.zeros(RANKS * (plan.MAX_LOCAL_EXPERTS + 1), dtype=torch.int32)
     with pytest.raises(ValueError, match="1025 experts per rank; internode mode supports up to 1024"):
-        internode.dispatch(gb, x, None, None, *routing(64)[2:4], routing(64)[5], torch.zeros(RANKS * 1025, dtype=torch.int32),
-                           *routing(64)[:2], 1, 0, Config(8))
+        internode.dispatch(gb, x, None, None, per_rank, per_node, in_rank, too_many, topk_idx, weights, 1, 0, Config(8))
     assert len(launches) == 1
     gb = fake_backend()
     gb.low_latency_mode = True

@@ -264,7 +264,8 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
         area_offset=area, stage_offset=stage, num_tokens=num_tokens, num_chunks=chunks,
         tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
         num_local_experts=num_local_experts, notify_ints=plan.notify_ints(num_ranks), num_topk=num_topk,
-        num_scales=num_scales, row_bytes=row_bytes, rank=gb.rank, op=DISPATCH_OP, **{k: _ptr(v) for k, v in out.items()})
+        num_scales=num_scales, row_bytes=row_bytes, rank=gb.rank, op=DISPATCH_OP,
+        **{k: _ptr(v) for k, v in out.items()})
     _launch(gb, _kernel(gb, plan.notify_kernel(num_ranks, num_local)), 1, plan.NOTIFY_THREADS, params)
     return out
 
@@ -328,7 +329,8 @@ def combine(gb, x, handle, topk_weights, bias, config):
         recv_src_meta=_ptr(handle[7]), recv_gbl_rank_prefix_sum=handle[6].data_ptr(),
         recv_rdma_channel_prefix=handle[3].data_ptr(), send_rdma_head=_ptr(handle[8]),
         combined_x=_ptr(combined_x), combined_weights=_ptr(combined_weights),
-        max_tokens=_max_tokens_ptr(handle, num_ranks), peer_bases=_peer_bases(gb), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
+        max_tokens=_max_tokens_ptr(handle, num_ranks), peer_bases=_peer_bases(gb), err=gb.status.device_ptr,
+        timeout_ns=gb.timeout_ns,
         push_offset=layout.push_offset, partial_stage_offset=layout.partial_stage_offset,
         partial_recv_offset=layout.partial_recv_offset, capacity=layout.capacity,
         push_bytes=layout.push_bytes, partial_bytes=layout.partial_bytes,
