@@ -375,8 +375,8 @@ def capacities(buf, world: int):
 
 
 def uneven_over_capacity(dist_env, buf, fits_dispatch: bool, seed: int):
-    """(every rank's inputs, N of the capacity-sized rank) with N alternating by rank between half
-    combine's capacity and a big N that fits dispatch but not combine (fits_dispatch: the reviewer's
+    """(every rank's inputs, combine's capacity) with N alternating by rank between half combine's
+    capacity and a big N that fits dispatch but not combine (fits_dispatch: the reviewer's
     (1000, 4600) on 2 ranks at 256 MiB) or not even dispatch ((900, 5000))."""
     dispatch_cap, combine_cap = capacities(buf, dist_env.world_size)
     ns = (combine_cap // 2, dispatch_cap - 55 if fits_dispatch else dispatch_cap + 345)
