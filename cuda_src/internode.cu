@@ -19,8 +19,9 @@
 // to the source in chunks with one signal each; the source adds bias0 + bias1 and the partials of
 // nodes 0..M-1 in that order (epcomm.reference.oracle.combine with num_local_ranks = L).
 //
-// One-shot: every call fits the data region (the host checks N against the capacity before the data
-// kernel), so no sender waits for buffer space inside a call. Across calls, `epoch` counts this
+// One-shot: every call fits the data region (each data kernel checks the largest N of all ranks,
+// from notify, against its capacity first: fits_capacity), so no sender waits for buffer space
+// inside a call. Across calls, `epoch` counts this
 // rank's internode kernels (device-resident, bumped by the last block; equal on every rank since
 // calls are collective), signal words are compared with it (never reset), and no kernel writes
 // anything another rank reads before every rank finished the previous internode kernel (`done`
@@ -33,9 +34,11 @@ namespace epcomm {
 namespace internode {
 
 // ---- notify: exchange counts over NVSHMEM, build the routing tables --------------------------
-// Count row one rank puts into every rank r: [G, N, E_l, 0 | tokens to each rank [R] | this rank's
-// per-expert counts of r's experts [E_l] | chunk prefix toward r's node [G+1]] (notify_ints long,
-// sized for kMaxChunks so that a rank using another G is still read at the right place and caught).
+// Count row one rank puts into every rank r: [G, N, E_l, K, S, row bytes, 0, 0 | tokens to each rank
+// [R] | chunk prefix toward r's node [G+1] (room for kMaxChunks + 1) | this rank's per-expert counts
+// of r's experts [E_l] (room for kMaxLocalExperts)]: notify_ints long, every field at an offset that
+// depends on R alone, so a rank using another G, E_l or token format (K top-k, S scales, row bytes:
+// the dispatch record) is still read at the right place and caught (kPhaseConfigMismatch).
 template <int kRanks, int kLocal>
 __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_constant__ NotifyParams p) {
     constexpr int kNodes = kRanks / kLocal;
@@ -50,6 +53,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
     const Guard &guard = call.guard;
     const int n = p.num_tokens, tpc = p.tokens_per_chunk, stride = p.num_chunks + 1, num_le = p.num_local_experts;
     const int ints = p.notify_ints;
+    constexpr int kSent = kNotifyHead, kPrefix = kSent + kRanks, kExperts = kPrefix + kMaxChunks + 1;
+    const int head[kNotifyHead] = {p.num_chunks, n, num_le, p.num_topk, p.num_scales, p.row_bytes, 0, 0};
 
     // One warp per node (send_rdma_head, chunk prefix) and per rank (send_nvl_head without its
     // offset, totals), scanning the tokens 32 at a time.
@@ -94,22 +99,22 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
     }
 
     // Stage one row per destination in this rank's buffer, put it with a signal (self included).
+    // Only the used part travels: up to this rank's expert counts, in whole 16-byte units (ints is a
+    // multiple of 4 and has room for kMaxLocalExperts >= E_l: the host checks it).
+    const int used = min((kExperts + num_le + 3) / 4 * 4, ints);
     for (int r = warp; r < kRanks; r += num_warps) {
         int *row = reinterpret_cast<int *>(base + p.stage_offset) + r * ints;
         const int r_node = r / kLocal;
-        for (int i = lane; i < ints; i += 32) {
+        for (int i = lane; i < used; i += 32) {
             int v = 0;
-            if (i == 0) v = p.num_chunks;
-            else if (i == 1) v = n;
-            else if (i == 2) v = num_le;
-            else if (i >= 4 && i < 4 + kRanks) v = sent[i - 4];
-            else if (i >= 4 + kRanks && i < 4 + kRanks + num_le) v = __ldg(p.num_tokens_per_expert + r * num_le + i - 4 - kRanks);
-            else if (i >= 4 + kRanks + num_le && i < 4 + kRanks + num_le + stride)
-                v = p.rdma_channel_prefix[r_node * stride + i - 4 - kRanks - num_le];
+            if (i < kNotifyHead) v = head[i];
+            else if (i < kPrefix) v = sent[i - kSent];
+            else if (i < kPrefix + stride) v = p.rdma_channel_prefix[r_node * stride + i - kPrefix];
+            else if (i >= kExperts && i < kExperts + num_le) v = __ldg(p.num_tokens_per_expert + r * num_le + i - kExperts);
             row[i] = v;
         }
         int *dst = reinterpret_cast<int *>(base + p.area_offset) + p.rank * ints;
-        publish_run(reinterpret_cast<char *>(dst), reinterpret_cast<const char *>(row), 4ull * ints,
+        publish_run(reinterpret_cast<char *>(dst), reinterpret_cast<const char *>(row), 4ull * used,
                     signal_word(base, H::kNotifySignal, p.rank), epoch, r, false);
     }
 
@@ -118,7 +123,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
     __syncthreads();
     if (block_ok) {
         const int *area = reinterpret_cast<const int *>(base + p.area_offset);
-        auto count = [&](int s, int j) { return __ldcg(area + s * ints + 4 + j); };   // tokens s sends to j
+        auto count = [&](int s, int j) { return __ldcg(area + s * ints + kSent + j); };   // tokens s sends to j
         // info: max N | rank prefix [i][j] = tokens to j from ranks 0..i | expert counts
         for (int idx = threadIdx.x; idx < kRanks * kRanks; idx += kNotifyThreads) {
             const int i = idx / kRanks, j = idx % kRanks;
@@ -128,23 +133,26 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
         }
         for (int e = threadIdx.x; e < num_le; e += kNotifyThreads) {
             int sum = 0;
-            for (int s = 0; s < kRanks; ++s) sum += __ldcg(area + s * ints + 4 + kRanks + e);
+            for (int s = 0; s < kRanks; ++s) sum += __ldcg(area + s * ints + kExperts + e);
             p.info[1 + kRanks * kRanks + e] = sum;
         }
         for (int idx = threadIdx.x; idx < kRanks * stride; idx += kNotifyThreads)
-            p.recv_rdma_channel_prefix[idx] = __ldcg(area + (idx / stride) * ints + 4 + kRanks + num_le + idx % stride);
+            p.recv_rdma_channel_prefix[idx] = __ldcg(area + (idx / stride) * ints + kPrefix + idx % stride);
         if (threadIdx.x == 0) {
             int max_tokens = 0, rows = 0;
             for (int s = 0; s < kRanks; ++s) {
                 max_tokens = max(max_tokens, __ldcg(area + s * ints + 1));
-                if (__ldcg(area + s * ints) != p.num_chunks || __ldcg(area + s * ints + 2) != num_le)
-                    guard.violation(s, kPhaseConfigMismatch);
+                bool same = true;
+                for (int f = 0; f < kNotifyHead; ++f)
+                    if (f != 1) same &= __ldcg(area + s * ints + f) == head[f];
+                if (!same) guard.violation(s, kPhaseConfigMismatch);
                 p.recv_gbl_channel_prefix[s] = rows;
                 rows += count(s, p.rank);
                 p.recv_gbl_rank_prefix_sum[s] = rows;
                 if (s % kLocal == kLocal - 1) p.recv_rdma_rank_prefix_sum[s / kLocal] = rows;
             }
             p.info[0] = max_tokens;
+            p.gbl_channel_prefix[kRanks] = max_tokens;   // handle[2][R]: the data kernels' capacity check
         }
         // send_nvl_head: add the rows that lower ranks send to each destination before this one.
         for (int j = threadIdx.x; j < kRanks; j += kNotifyThreads) {
@@ -168,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     __shared__ char *peers[kRanks];
     __shared__ int block_ok;
     const Call call = begin_call<kRanks, kLocal>(peers, p);
-    if (wait_all_idle<kRanks, D::kNodes>(call, &block_ok)) {
+    if (wait_all_idle<kRanks, D::kNodes>(call, &block_ok) && fits_capacity(call, p.max_tokens, p.capacity)) {
         D::send(p, call);
         D::receive(p, peers, call);
         D::pad(p);
@@ -182,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     __shared__ char *peers[kRanks];
     __shared__ int block_ok;
     const Call call = begin_call<kRanks, kLocal>(peers, p);
-    if (wait_all_idle<kRanks, C::kNodes>(call, &block_ok)) {
+    if (wait_all_idle<kRanks, C::kNodes>(call, &block_ok) && fits_capacity(call, p.max_tokens, p.capacity)) {
         C::push(p, peers, call);
         C::reduce(p, peers, call);
         C::finish_tokens(p, call);

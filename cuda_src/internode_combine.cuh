@@ -14,17 +14,26 @@ struct Combine {
     static constexpr int kPartialRowBytes = 2 * kRowBytes;     // fp32 row
     using H = Header<kRanks, kNodes>;
 
-    // Pushed row: bf16 row | weights f32[K] | u64 tag of the call that pushed it. A slot without
-    // this call's tag was not pushed: the token does not go to that local rank. The tag is a 64-bit
-    // mix of the epoch, not the epoch itself: the data region is shared with notify and dispatch,
-    // whose small integers could otherwise sit where a tag is read (random bytes match with
-    // probability 2^-64).
-    static __device__ __forceinline__ long long tag_offset(int k_top) { return (kRowBytes + 4LL * k_top + 7) / 8 * 8; }
+    // Pushed row: bf16 row | weights f32[kMaxTopk] | u64 tag; partial sum: fp32 row | weights
+    // f32[kMaxTopk] | u64 tag. Both hold kMaxTopk weights whatever K is, so the tag sits at the same
+    // place on every rank. Tag = mix(epoch) + K of the rank that wrote it: a pushed slot without
+    // this call's mix was not pushed (the token does not go to that local rank); one with this
+    // call's mix but another K (some ranks passed topk_weights, others not, or another K) is a
+    // kPhaseConfigMismatch. The mix is 64-bit, not the epoch itself: the data region is shared with
+    // notify and dispatch, whose small integers could otherwise sit where a tag is read (random
+    // bytes land within kMaxTopk of it with probability ~2^-59).
+    static constexpr long long kPushTag = kRowBytes + 4LL * kMaxTopk;
+    static constexpr long long kPartialTag = kPartialRowBytes + 4LL * kMaxTopk;
     static __device__ __forceinline__ unsigned long long tag_of(unsigned long long epoch) {
         unsigned long long z = epoch + 0x9e3779b97f4a7c15ull;   // splitmix64 finaliser
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
         z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
         return z ^ (z >> 31);
+    }
+    // K of the writer of a tag from this call, or -1 (not written by this call).
+    static __device__ __forceinline__ int tag_topk(unsigned long long tag, unsigned long long epoch) {
+        const unsigned long long k = tag - tag_of(epoch);
+        return k <= kMaxTopk ? static_cast<int>(k) : -1;
     }
 
     // Step 1: every received row goes to slot [this local rank][source node][record index] in the
@@ -37,6 +46,7 @@ struct Combine {
         const long long cap = p.capacity;
         for (int r = blockIdx.x * kWarps + warp_id(); r < rows; r += num_warps) {
             const int s = __ldg(p.recv_src_meta + 3LL * r), i = __ldg(p.recv_src_meta + 3LL * r + 2);
+            if (s < 0 || s >= kRanks || i < 0 || i >= cap) continue;   // never past the slots (fits_capacity)
             char *slot = peers[node * kLocal + s % kLocal] + p.push_offset +
                          ((long long)(local * kNodes + s / kLocal) * cap + i) * p.push_bytes;
             warp_copy_16B<true>(reinterpret_cast<int4 *>(slot),
@@ -45,7 +55,7 @@ struct Combine {
             if (lane < k_top)
                 reinterpret_cast<float *>(slot + kRowBytes)[lane] =
                     p.topk_weights != nullptr ? __ldg(p.topk_weights + (long long)r * k_top + lane) : 0.f;
-            if (lane == 0) *reinterpret_cast<unsigned long long *>(slot + tag_offset(k_top)) = tag_of(epoch);
+            if (lane == 0) *reinterpret_cast<unsigned long long *>(slot + kPushTag) = tag_of(epoch) + k_top;
         }
         __syncthreads();
         if (threadIdx.x != 0) return;
@@ -77,16 +87,18 @@ struct Combine {
         for (int item = blockIdx.x; item < kNodes * chunks_per_node; item += gridDim.x) {
             const int n = item / chunks_per_node, c = item % chunks_per_node;
             const int count = __ldg(p.recv_rdma_channel_prefix + (n * kLocal + local) * stride + p.num_chunks);
-            const int lo = c * p.chunk_records, hi = min(count, lo + p.chunk_records);
+            // lo < capacity; hi never past it (count <= the source's N <= capacity: fits_capacity)
+            const int lo = c * p.chunk_records, hi = min(min(count, lo + p.chunk_records), p.capacity);
             if (lo >= hi) continue;   // uniform over the block
             for (int i = lo + warp; i < hi; i += kWarps) {
                 const char *slots[kLocal];
                 unsigned present = 0;
-                const unsigned long long tag = tag_of(epoch);
 #pragma unroll
                 for (int j = 0; j < kLocal; ++j) {
                     slots[j] = base + p.push_offset + ((long long)(j * kNodes + n) * cap + i) * p.push_bytes;
-                    present |= (intranode::ld_relaxed_sys_u64(reinterpret_cast<const unsigned long long *>(slots[j] + tag_offset(k_top))) == tag) << j;
+                    const int k = tag_topk(intranode::ld_relaxed_sys_u64(reinterpret_cast<const unsigned long long *>(slots[j] + kPushTag)), epoch);
+                    if (k >= 0 && k != k_top && lane == 0) guard.violation(node * kLocal + j, kPhaseConfigMismatch);
+                    present |= (k >= 0) << j;
                 }
                 char *dst = base + (n == node ? p.partial_recv_offset + (node * cap + i) * pb
                                               : p.partial_stage_offset + (n * cap + i) * pb);
@@ -105,6 +117,7 @@ struct Combine {
                         if (present >> j & 1u) w += ll::ld_cg(reinterpret_cast<const float *>(slots[j] + kRowBytes) + lane);
                     reinterpret_cast<float *>(dst + kPartialRowBytes)[lane] = w;
                 }
+                if (lane == 0) *reinterpret_cast<unsigned long long *>(dst + kPartialTag) = tag_of(epoch) + k_top;
             }
             __syncthreads();
             if (warp == 0)
@@ -127,9 +140,13 @@ struct Combine {
             bool ok = true;
             for (int m = lane; m < kNodes && ok; m += 32) {
                 const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
-                if (i >= 0)
+                if (i >= 0 && i < cap) {
                     ok = wait_at_least(guard, signal_word(base, H::kPartialSignal, m * kMaxChunks + i / p.chunk_records),
                                        epoch, m * kLocal + c.local, kPhasePartials);
+                    const unsigned long long tag = __ldcg(reinterpret_cast<const unsigned long long *>(
+                        base + p.partial_recv_offset + (m * cap + i) * pb + kPartialTag));
+                    if (ok && tag_topk(tag, epoch) != k_top) guard.violation(m * kLocal + c.local, kPhaseConfigMismatch);
+                }
             }
             if (!__all_sync(0xffffffffu, ok)) return;
             for (int u = lane; u < kRowInt4; u += 32) {
@@ -138,7 +155,7 @@ struct Combine {
                 if (p.bias1 != nullptr) add_bf16x8(acc, __ldg(static_cast<const int4 *>(p.bias1) + (long long)t * kRowInt4 + u));
                 for (int m = 0; m < kNodes; ++m) {
                     const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
-                    if (i < 0) continue;
+                    if (i < 0 || i >= cap) continue;
                     const char *partial = base + p.partial_recv_offset + (m * cap + i) * pb + 32LL * u;
                     const int4 lo = ll::ld_cg_v4(partial), hi = ll::ld_cg_v4(partial + 16);
                     const int4 halves[2] = {lo, hi};
@@ -161,7 +178,7 @@ struct Combine {
                 float w = 0.f;
                 for (int m = 0; m < kNodes; ++m) {
                     const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
-                    if (i >= 0) w += ll::ld_cg(reinterpret_cast<const float *>(base + p.partial_recv_offset + (m * cap + i) * pb + kPartialRowBytes) + lane);
+                    if (i >= 0 && i < cap) w += ll::ld_cg(reinterpret_cast<const float *>(base + p.partial_recv_offset + (m * cap + i) * pb + kPartialRowBytes) + lane);
                 }
                 p.combined_weights[(long long)t * k_top + lane] = w;
             }

@@ -21,6 +21,9 @@ constexpr int kThreads = 512;               // data kernels
 constexpr int kWarps = kThreads / 32;
 constexpr int kNotifyThreads = 1024;
 constexpr int kMaxChunks = 1024;            // signal words per source node (dispatch and combine)
+constexpr int kMaxTopk = 32;                // weights a combine row holds, whatever K is
+constexpr int kMaxLocalExperts = 1024;      // expert counts a notify row holds
+constexpr int kNotifyHead = 8;              // header ints of a notify row
 
 // Phases recorded in ErrorRecord.phase (named by PHASES in epcomm/ops/internode_plan.py, same order).
 enum Phase : int {
@@ -30,7 +33,8 @@ enum Phase : int {
     kPhasePushes = 3,          // combine: waiting for a local rank's pushed rows
     kPhasePartials = 4,        // combine: waiting for a node's partial sums
     kPhaseWorstTokens = 5,     // more rows received than num_worst_tokens
-    kPhaseConfigMismatch = 6   // ranks use different chunk counts or expert counts
+    kPhaseConfigMismatch = 6,  // ranks use different chunk counts, expert counts or token formats
+    kPhaseCapacity = 7         // the largest N of all ranks exceeds the capacity of a data kernel
 };
 
 // Header of every rank's RDMA buffer (same offsets everywhere), then the data region that notify,
@@ -57,7 +61,7 @@ struct NotifyParams {
     const int *num_tokens_per_expert;    // [E]
     int *info;                           // [1 + R*R + E_l]: max N of all ranks | rank prefix | expert counts
     int *rdma_channel_prefix;            // [M, G+1]
-    int *gbl_channel_prefix;             // [R]
+    int *gbl_channel_prefix;             // [R + 1]: tokens to each rank | max N of all ranks
     int *recv_rdma_channel_prefix;       // [R, G+1]
     int *recv_rdma_rank_prefix_sum;      // [M]
     int *recv_gbl_channel_prefix;        // [R]
@@ -69,9 +73,11 @@ struct NotifyParams {
     unsigned long long timeout_ns;
     long long area_offset;               // received count rows [R][notify_ints]
     long long stage_offset;              // outgoing count rows [R][notify_ints] (source of the puts)
-    int num_tokens, num_chunks, tokens_per_chunk, num_local_experts, notify_ints, rank, op, pad_;
+    int num_tokens, num_chunks, tokens_per_chunk, num_local_experts, notify_ints;
+    int num_topk, num_scales, row_bytes;  // the data kernel's token format (checked equal on all ranks)
+    int rank, op;
 };
-static_assert(sizeof(NotifyParams) == 160, "NotifyParams is mirrored in epcomm/ops/internode_plan.py");
+static_assert(sizeof(NotifyParams) == 168, "NotifyParams is mirrored in epcomm/ops/internode_plan.py");
 
 struct DispatchParams {
     const void *x;                       // [N, H] bf16 or e4m3
@@ -88,6 +94,7 @@ struct DispatchParams {
     void *recv_topk_idx;                 // [M_out, K] IdxT
     float *recv_topk_weights;            // [M_out, K]
     int *recv_src_meta;                  // [M_out, 3]
+    const int *max_tokens;               // max N of all ranks (notify's; handle[2][R])
     const long long *peer_bases;
     ErrorRecord *err;
     long long scale_stride_token, scale_stride_group;   // elements
@@ -97,7 +104,7 @@ struct DispatchParams {
     int capacity, record_bytes, num_tokens, num_chunks, tokens_per_chunk, num_topk;
     int num_local_experts, num_out_rows, rank, op;
 };
-static_assert(sizeof(DispatchParams) == 208, "DispatchParams is mirrored in epcomm/ops/internode_plan.py");
+static_assert(sizeof(DispatchParams) == 216, "DispatchParams is mirrored in epcomm/ops/internode_plan.py");
 
 struct CombineParams {
     const void *x;                       // [M_rows, H] bf16, this rank's dispatch row order
@@ -109,15 +116,16 @@ struct CombineParams {
     const int *send_rdma_head;           // [N, M]
     void *combined_x;                    // [N, H] bf16
     float *combined_weights;             // [N, K] or null
+    const int *max_tokens;               // max N of all ranks (notify's; handle[2][R])
     const long long *peer_bases;
     ErrorRecord *err;
     unsigned long long timeout_ns;
-    long long push_offset;               // pushed rows [L][M][capacity]
+    long long push_offset;               // pushed rows [L][M][capacity] (rows hold kMaxTopk weights)
     long long partial_stage_offset;      // partial sums [M][capacity] (source of the puts)
     long long partial_recv_offset;       // partial sums [M][capacity] (slot [reducing node][index])
     int capacity, push_bytes, partial_bytes, chunk_records, num_tokens, num_chunks, num_topk, rank, op, pad_;
 };
-static_assert(sizeof(CombineParams) == 168, "CombineParams is mirrored in epcomm/ops/internode_plan.py");
+static_assert(sizeof(CombineParams) == 176, "CombineParams is mirrored in epcomm/ops/internode_plan.py");
 
 __device__ __forceinline__ unsigned long long *signal_word(char *base, long long region, int index) {
     return reinterpret_cast<unsigned long long *>(base + region) + index;
@@ -162,6 +170,17 @@ __device__ __forceinline__ bool wait_all_idle(const Call &c, int *block_ok) {
     }
     __syncthreads();
     return *block_ok != 0;
+}
+
+// One-shot calls: the largest N of all ranks (written by notify, earlier on this stream) must fit the
+// kernel's capacity, or slots past the data region would be written. Every rank reads the same N
+// and, with equal configs (notify checks them), has the same capacity: when it does not fit, every
+// rank records a DeviceCheckFailed and skips its work alike, so no rank waits for data that is
+// never sent; kernel_finish still runs (the epoch bookkeeping). Block-uniform.
+__device__ __forceinline__ bool fits_capacity(const Call &c, const int *max_tokens, int capacity) {
+    if (__ldg(max_tokens) <= capacity) return true;
+    if (threadIdx.x == 0) c.guard.violation(-1, kPhaseCapacity);
+    return false;
 }
 
 // Every block completes its puts (their sources are reused by the next kernel); the last block to

@@ -50,7 +50,7 @@ struct Dispatch {
             for (int t = t0 + warp; t < t1; t += kWarps) {
                 for (int m = 0; m < kNodes; ++m) {
                     const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
-                    if (i < 0) continue;
+                    if (i < 0 || i >= cap) continue;   // i < N <= capacity (fits_capacity); never past the slots
                     const long long slot = m == node ? p.recv_offset + (node * cap + i) * rec
                                                      : p.stage_offset + (m * cap + i) * rec;
                     write_record(p, base + slot, t, m, f);
@@ -58,8 +58,8 @@ struct Dispatch {
             }
             __syncthreads();
             for (int m = warp; m < kNodes; m += kWarps) {
-                const int lo = __ldg(p.rdma_channel_prefix + m * stride + g);
-                const int hi = __ldg(p.rdma_channel_prefix + m * stride + g + 1);
+                const int lo = min((long long)__ldg(p.rdma_channel_prefix + m * stride + g), cap);
+                const int hi = min((long long)__ldg(p.rdma_channel_prefix + m * stride + g + 1), cap);
                 // On the receiver: slot [this node][lo..hi), signal [this node][g].
                 publish_run(base + p.recv_offset + (node * cap + lo) * rec, base + p.stage_offset + (m * cap + lo) * rec,
                             (size_t)(hi - lo) * rec, signal_word(base, H::kRecordSignal, node * kMaxChunks + g), epoch,
@@ -81,9 +81,9 @@ struct Dispatch {
         const int items = kRanks * p.num_chunks, num_warps = gridDim.x * kWarps;
         for (int item = blockIdx.x * kWarps + warp_id(); item < items; item += num_warps) {
             const int g = item / kRanks, s = item % kRanks, src_node = s / kLocal;
-            const int lo = __ldg(p.recv_rdma_channel_prefix + s * stride + g);
-            const int hi = __ldg(p.recv_rdma_channel_prefix + s * stride + g + 1);
-            if (lo == hi) continue;
+            const int lo = min((long long)__ldg(p.recv_rdma_channel_prefix + s * stride + g), cap);
+            const int hi = min((long long)__ldg(p.recv_rdma_channel_prefix + s * stride + g + 1), cap);
+            if (lo >= hi) continue;
             char *holder = peers[node * kLocal + s % kLocal];
             bool ok = true;
             if (lane == 0)

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import epcomm
-from epcomm.errors import BufferUnusable, PeerTimeout
+from epcomm.errors import BufferUnusable, DeviceCheckFailed, PeerTimeout
+from epcomm.ops import internode
 from epcomm.ops import internode_plan as plan
 from epcomm.reference import oracle
 from tests.conftest import on_all_ranks
@@ -54,10 +55,26 @@ def make_buffer(dist_env, local: int, rdma_bytes: int = 256 << 20, timeout_s: st
     return with_env("EPCOMM_NUM_LOCAL_RANKS", str(local), build)
 
 
-def release(dist_env, buf) -> None:
+def release(dist_env, buf, failed: bool = False) -> None:
+    """failed: the Buffer recorded a failure, but every rank is alive and its kernels finished, so
+    teardown may still be collective (a failure marks the peers possibly dead)."""
     torch.cuda.synchronize()
+    if failed:
+        buf._backend.nvshmem.peer_failed = False
     dist_env.barrier()
     buf.destroy()
+
+
+def warm_kernels(dist_env, buf, hidden: int = HIDDEN, index_type: str = "long long") -> None:
+    """Build (or load) the kernels of a BF16 dispatch + combine on `buf`, then meet every rank: a
+    short EPCOMM_TIMEOUT_S then bounds the peers' calls, not one rank's first-call JIT time."""
+    gb, world = buf._backend, dist_env.world_size
+    local = gb.num_local_ranks
+    for name in (plan.notify_kernel(world, local), plan.dispatch_kernel(world, local, hidden * 2, 0, index_type, True),
+                 plan.combine_kernel(world, local, hidden * 2)):
+        internode._kernel(gb, name)
+    torch.cuda.synchronize()
+    dist_env.barrier()
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["L1", "L2"])
@@ -147,6 +164,13 @@ def combine_errors(dist_env, buf, got, inputs, local: int, experts: int, bias=No
     want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws,
                                     (None, None) if bias is None else bias, num_local_ranks=local)
     return [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w)]
+
+
+def oracle_round_trip(inputs, rank: int, world: int, experts: int, local: int):
+    """oracle.combine of the rows every rank received (dispatch's own output fed back, no bias)."""
+    wants = [expected(inputs, r, experts, False) for r in range(world)]
+    return oracle.combine([w["recv_x"] for w in wants], [i.layout[3] for i in inputs], rank,
+                          [w["recv_topk_weights"] for w in wants], (None, None), num_local_ranks=local)
 
 
 def round_trip_errors(combined, weights, mine) -> List[str]:
@@ -243,6 +267,44 @@ def test_num_worst_tokens(dist_env, setup, fp8):
         check(dist_env, round_trip_errors(combined, weights, inputs[rank]), "worst round trip")
 
 
+def test_back_to_back_reuse_with_a_late_rank(dist_env, setup):
+    """20 x {num_worst_tokens dispatch + combine} back to back with rank 1 held back on its stream
+    before every call (torch.cuda._sleep), so the other ranks run into each kernel's wait for every
+    rank's previous kernel: all outputs kept, each checked against the oracle at the end (a kernel
+    that overwrote records a late rank was still reading, or took a stale signal, gives wrong rows)."""
+    buf, local = setup
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    experts, ns, rounds = 64, (300, 170), 20
+    rounds_inputs = [inputs_for(dist_env, local, ns, seed=200 + i, hidden=HIDDEN, num_experts=experts, num_topk=8)
+                     for i in range(rounds)]
+    num_worst = sum(len(i.x) for i in rounds_inputs[0])
+    staged = []   # on the GPU before the loop: no host copy in it waits for the sleeping stream
+    for inputs in rounds_inputs:
+        mine = inputs[rank]
+        staged.append([dev(t, device) for t in (mine.x, mine.topk_idx, mine.topk_weights, *mine.layout)])
+    torch.cuda.synchronize()
+    dist_env.barrier()
+    outputs = []
+    for x, idx, w, per_rank, per_node, per_expert, in_rank in staged:
+        if rank == 1:
+            torch.cuda._sleep(200_000_000)
+        got = buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                           is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+                           topk_weights=w, num_worst_tokens=num_worst)
+        if rank == 1:
+            torch.cuda._sleep(200_000_000)
+        outputs.append((got, buf.combine(got[0], got[4], topk_weights=got[2])))
+    torch.cuda.synchronize()
+    errors = []
+    for i, (inputs, (got, (combined, weights, _))) in enumerate(zip(rounds_inputs, outputs)):
+        found = dispatch_errors(got, expected(inputs, rank, experts, False, num_worst_tokens=num_worst), False,
+                                rank, inputs)
+        want_x, want_w = oracle_round_trip(inputs, rank, world, experts, local)
+        found += [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w)]
+        errors += [f"round {i}: {e}" for e in found if e]
+    check(dist_env, errors, "back-to-back reuse")
+
+
 def test_cuda_graph_replay(dist_env, setup):
     """Worst-size dispatch + combine captured once, replayed with new data and routing: no host
     sequence numbers, the kernels' epochs advance on the device."""
@@ -305,6 +367,23 @@ def test_sm80_feature_set(dist_env, setup):
 
 
 # ---- capacity and failures ------------------------------------------------------------------------
+def capacities(buf, world: int):
+    """(dispatch, combine) capacity in tokens per rank of a BF16 H = 7168, K = 8 call on nodes of 1."""
+    record, nbytes = plan.dispatch_record_bytes(HIDDEN * 2, 0, 8, 1), buf._backend.rdma.nbytes
+    return (plan.DispatchLayout(nbytes, world, 1, record).capacity,
+            plan.CombineLayout(nbytes, world, 1, HIDDEN * 2).capacity)
+
+
+def uneven_over_capacity(dist_env, buf, fits_dispatch: bool, seed: int):
+    """(every rank's inputs, combine's capacity) with N alternating by rank between half combine's
+    capacity and a big N that fits dispatch but not combine (fits_dispatch: the reviewer's
+    (1000, 4600) on 2 ranks at 256 MiB) or not even dispatch ((900, 5000))."""
+    dispatch_cap, combine_cap = capacities(buf, dist_env.world_size)
+    ns = (combine_cap // 2, dispatch_cap - 55 if fits_dispatch else dispatch_cap + 345)
+    assert combine_cap < ns[1], (dispatch_cap, combine_cap)
+    return inputs_for(dist_env, 1, ns, seed=seed, hidden=HIDDEN, num_experts=64, num_topk=8), combine_cap
+
+
 def test_too_many_tokens_raise_before_the_data_kernel(dist_env):
     """A buffer that holds fewer tokens than N: ValueError on every rank once notify told every rank
     the largest N (exact mode), nothing written; then a call that fits works."""
@@ -325,23 +404,132 @@ def test_too_many_tokens_raise_before_the_data_kernel(dist_env):
         release(dist_env, buf)
 
 
+def test_uneven_n_over_capacity_raises_on_every_rank_in_exact_mode(dist_env):
+    """256 MiB, ranks with N far apart: one rank's N fits dispatch but not combine (reviewer's
+    (1000, 4600) on 2 ranks: before, only that rank raised in combine while the other launched and
+    wrote ~25 MB past its peer's buffer), or not even dispatch ((900, 5000)). Exact mode: every rank
+    knows the largest N from notify, so every rank raises ValueError before the data kernel, and
+    the Buffer stays usable."""
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    if world < 2:
+        pytest.skip("needs 2 or more ranks")
+    buf = make_buffer(dist_env, 1)
+    try:
+        inputs, combine_cap = uneven_over_capacity(dist_env, buf, True, seed=111)
+        got = run_dispatch(buf, inputs[rank], device, False)
+        check(dist_env, dispatch_errors(got, expected(inputs, rank, 64, False), False, rank, inputs),
+              "dispatch of N up to its capacity")
+
+        def every_rank_raises():
+            with pytest.raises(ValueError, match="do not fit the RDMA buffer.*largest N of all ranks"):
+                buf.combine(got[0], got[4], topk_weights=got[2])
+            over = uneven_over_capacity(dist_env, buf, False, seed=112)[0]
+            with pytest.raises(ValueError, match="do not fit the RDMA buffer.*largest N of all ranks"):
+                run_dispatch(buf, over[rank], device, False)
+        on_all_ranks(dist_env, every_rank_raises)
+
+        fits = inputs_for(dist_env, 1, (combine_cap // 3, combine_cap // 2), seed=113, hidden=HIDDEN,
+                          num_experts=64, num_topk=8)
+        got = run_dispatch(buf, fits[rank], device, False)
+        check(dist_env, dispatch_errors(got, expected(fits, rank, 64, False), False, rank, fits) +
+              combine_errors(dist_env, buf, got, fits, 1, 64), "after the errors")
+    finally:
+        release(dist_env, buf)
+
+
+@pytest.mark.parametrize("stage", ["dispatch", "combine"])
+def test_uneven_n_over_capacity_fails_on_every_rank_with_num_worst_tokens(dist_env, stage):
+    """As above with num_worst_tokens (no host read of the counts): the data kernel of `stage` finds
+    the largest N of all ranks (notify's) over its capacity, records DeviceCheckFailed on every rank
+    and skips its work (before: one rank raised on the host before notify and the other timed out,
+    or combine wrote past the peer's buffer); the next call raises it, then BufferUnusable."""
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    if world < 2:
+        pytest.skip("needs 2 or more ranks")
+    buf = make_buffer(dist_env, 1)
+    try:
+        inputs = uneven_over_capacity(dist_env, buf, stage == "combine", seed=121)[0]
+        num_worst = sum(len(i.x) for i in inputs)
+
+        def every_rank_fails():
+            got = run_dispatch(buf, inputs[rank], device, False, num_worst_tokens=num_worst)
+            if stage == "combine":
+                buf.combine(got[0], got[4], topk_weights=got[2])
+            torch.cuda.synchronize()
+            with pytest.raises(DeviceCheckFailed) as caught:
+                run_dispatch(buf, inputs[rank], device, False, num_worst_tokens=num_worst)
+            error = caught.value
+            assert (error.op, error.rank, error.peer, error.phase) == \
+                (f"internode {stage}", rank, -1, plan.PHASES[-1]), repr(error)
+            with pytest.raises(BufferUnusable):
+                run_dispatch(buf, inputs[rank], device, False, num_worst_tokens=num_worst)
+        on_all_ranks(dist_env, every_rank_fails)
+    finally:
+        release(dist_env, buf, failed=True)
+
+
+@pytest.mark.parametrize("differs", ["num_experts", "topk_weights"])
+def test_ranks_with_different_formats_fail_on_every_rank(dist_env, differs):
+    """Odd ranks pass twice the experts to dispatch (notify rows of every E_l keep their fields in
+    place: the notify kernel compares them), or no topk_weights to combine (combine rows hold
+    MAX_TOPK weights whatever K is, and their tags carry K): DeviceCheckFailed on every rank, never
+    silently shifted counts or rows."""
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    if world < 2:
+        pytest.skip("needs 2 or more ranks")
+    buf = make_buffer(dist_env, 1)
+    odd = rank % 2 == 1
+    try:
+        def every_rank_fails():
+            if differs == "num_experts":
+                mine = inputs_for(dist_env, 1, (128,), seed=141, hidden=HIDDEN, num_experts=128 if odd else 64,
+                                  num_topk=8)[rank]
+                with pytest.raises(DeviceCheckFailed) as caught:
+                    run_dispatch(buf, mine, device, False)   # exact mode reads the counts: raises here
+            else:
+                inputs = inputs_for(dist_env, 1, (128,), seed=142, hidden=HIDDEN, num_experts=64, num_topk=8)
+                got = run_dispatch(buf, inputs[rank], device, False)
+                buf.combine(got[0], got[4], topk_weights=None if odd else got[2])
+                torch.cuda.synchronize()
+                with pytest.raises(DeviceCheckFailed) as caught:
+                    buf.combine(got[0], got[4], topk_weights=got[2])
+            error = caught.value
+            op = "internode dispatch" if differs == "num_experts" else "internode combine"
+            assert (error.op, error.rank, error.phase) == (op, rank, plan.PHASES[6]), repr(error)
+            assert error.peer % 2 != rank % 2, repr(error)   # a rank of the other kind
+        on_all_ranks(dist_env, every_rank_fails)
+    finally:
+        release(dist_env, buf, failed=True)
+
+
+def short_timeout_buffer(dist_env, local: int, seed: int):
+    """(Buffer of nodes of `local` ranks with a 3 s EPCOMM_TIMEOUT_S and its kernels built, the rank
+    that is to skip a call (the last), every rank's inputs of 256 tokens)."""
+    buf = make_buffer(dist_env, local, timeout_s="3")
+    inputs = inputs_for(dist_env, local, (256,), seed=seed, hidden=HIDDEN, num_experts=64, num_topk=8)
+    warm_kernels(dist_env, buf)
+    return buf, dist_env.world_size - 1, inputs
+
+
+def on_waiting_ranks(dist_env, skipper: int, sees_the_timeout) -> None:
+    """Once every rank finished its calls so far: sees_the_timeout() on every rank but the skipper
+    (which skips the next call), failing on all ranks together."""
+    torch.cuda.synchronize()
+    dist_env.barrier()
+    on_all_ranks(dist_env, lambda: None if dist_env.rank == skipper else sees_the_timeout())
+
+
 def test_peer_timeout_names_the_peer(dist_env):
     """The last rank skips a dispatch: the others get PeerTimeout naming it (op, rank, peer) within
     the Buffer's 3 s bound; the Buffer is then unusable and the process carries on."""
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
     if world < 2:
         pytest.skip("needs 2 or more ranks")
-    buf = make_buffer(dist_env, 1, timeout_s="3")
-    skipper = world - 1
-    inputs = inputs_for(dist_env, 1, (256,), seed=101, hidden=HIDDEN, num_experts=64, num_topk=8)
+    buf, skipper, inputs = short_timeout_buffer(dist_env, 1, seed=101)
     got = run_dispatch(buf, inputs[rank], device, False)   # every rank takes part once
     check(dist_env, dispatch_errors(got, expected(inputs, rank, 64, False), False, rank, inputs), "before")
-    torch.cuda.synchronize()
-    dist_env.barrier()
 
     def waiting_rank_sees_the_timeout():
-        if rank == skipper:
-            return
         began = time.monotonic()
         with pytest.raises(PeerTimeout) as caught:
             run_dispatch(buf, inputs[rank], device, False)
@@ -350,6 +538,37 @@ def test_peer_timeout_names_the_peer(dist_env):
         assert 2.0 <= seconds <= 60.0, f"PeerTimeout after {seconds:.1f} s with a 3 s bound"
         with pytest.raises(BufferUnusable):
             run_dispatch(buf, inputs[rank], device, False)
-    on_all_ranks(dist_env, waiting_rank_sees_the_timeout)
-    buf._backend.nvshmem.peer_failed = False   # the skipper is alive: teardown may be collective
-    release(dist_env, buf)
+    on_waiting_ranks(dist_env, skipper, waiting_rank_sees_the_timeout)
+    release(dist_env, buf, failed=True)   # the skipper is alive: teardown may be collective
+
+
+@pytest.mark.parametrize("local", [1, 2], ids=["L1", "L2"])
+def test_peer_timeout_in_combine(dist_env, local):
+    """Every rank dispatches, the last rank skips the combine: the others time out within the 3 s
+    bound in combine's waits (the reduce's for pushed rows, the finish's for partial sums), naming
+    the skipper or, for L > 1, the RDMA peer on its node that waited for it; then BufferUnusable."""
+    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    if world % local or world // local < 2:
+        pytest.skip(f"needs at least 2 nodes of {local} ranks; this run has {world}")
+    buf, skipper, inputs = short_timeout_buffer(dist_env, local, seed=131)
+    got = run_dispatch(buf, inputs[rank], device, False)
+    combined, weights, _ = buf.combine(got[0], got[4], topk_weights=got[2])   # every rank once
+    check(dist_env, round_trip_errors(combined, weights, inputs[rank]), "before")
+    got = run_dispatch(buf, inputs[rank], device, False)   # every rank: the combine alone is skipped
+
+    def waiting_rank_sees_the_timeout():
+        began = time.monotonic()
+        buf.combine(got[0], got[4], topk_weights=got[2])   # no host sync: the next call reports it
+        torch.cuda.synchronize()
+        seconds = time.monotonic() - began
+        with pytest.raises(PeerTimeout) as caught:
+            buf.combine(got[0], got[4], topk_weights=got[2])
+        error = caught.value
+        waited_for = {skipper, skipper // local * local + rank % local}
+        assert (error.op, error.rank) == ("internode combine", rank) and error.peer in waited_for, repr(error)
+        assert error.phase in (plan.PHASES[3], plan.PHASES[4]), repr(error)
+        assert 2.0 <= seconds <= 60.0, f"combine ended after {seconds:.1f} s with a 3 s bound"
+        with pytest.raises(BufferUnusable):
+            buf.combine(got[0], got[4], topk_weights=got[2])
+    on_waiting_ranks(dist_env, skipper, waiting_rank_sees_the_timeout)
+    release(dist_env, buf, failed=True)

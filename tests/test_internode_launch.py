@@ -80,7 +80,7 @@ def test_fresh_exact_dispatch_fills_params_from_the_handle(launches, monkeypatch
     assert len(handle) == 10 and result.recv_x.shape == (37, HIDDEN) and handle[7].shape == (37, 3)
     chunks = plan.num_chunks(8)
     nodes = RANKS // LOCAL
-    shapes = [(64, RANKS), (nodes, chunks + 1), (RANKS, 1), (RANKS, chunks + 1), (nodes,), (RANKS, 1), (RANKS,),
+    shapes = [(64, RANKS), (nodes, chunks + 1), (RANKS + 1,), (RANKS, chunks + 1), (nodes,), (RANKS, 1), (RANKS,),
               (37, 3), (64, nodes), (64, RANKS)]
     assert [tuple(t.shape) for t in handle] == shapes
     assert (notify.rdma_channel_prefix, notify.send_rdma_head, notify.send_nvl_head) == \
@@ -94,8 +94,13 @@ def test_fresh_exact_dispatch_fills_params_from_the_handle(launches, monkeypatch
     assert result.num_recv_tokens_per_expert_list == [3] * 4
     # the own entry is the heap address (NVSHMEM translates puts relative to it), the others nvshmem_ptr's
     assert peer_bases(p) == peer_bases(notify) == [8192, 4096, 8192 * 3, 8192 * 4]
-    assert notify.notify_ints == plan.notify_ints(RANKS, 4)
-    assert (notify.area_offset, notify.stage_offset) == plan.notify_offsets(RANKS, nodes, 4)[:2]
+    assert notify.notify_ints == plan.notify_ints(RANKS)
+    assert (notify.area_offset, notify.stage_offset) == plan.notify_offsets(RANKS, nodes)[:2]
+    # the token format goes into the count rows (checked equal on every rank by the notify kernel)
+    assert (notify.num_topk, notify.num_scales, notify.row_bytes) == (TOPK, 0, HIDDEN * 2)
+    # the data kernel checks the largest N of all ranks, handle[2][R] (written by notify)
+    assert notify.gbl_channel_prefix == handle[2].data_ptr() and p.max_tokens == handle[2].data_ptr() + 4 * RANKS
+    assert internode._host_max_tokens(handle) == 64   # exact mode: read on the host after notify
 
 
 def test_worst_and_cached_dispatch_and_combine(launches):
@@ -104,7 +109,10 @@ def test_worst_and_cached_dispatch_and_combine(launches):
     worst = dispatch(gb, *x, num_worst_tokens=500)
     assert len(launches) == 2 and worst.recv_x.shape == (500, HIDDEN) and worst.recv_x_scales.shape == (500, 2)
     assert worst.num_recv_tokens_per_expert_list == []
+    assert internode._host_max_tokens(worst.handle) is None   # never read on the host: device check only
+    assert launches[0][2].num_scales == 2 and launches[0][2].row_bytes == HIDDEN
     p = launches[-1][2]
+    assert p.max_tokens == worst.handle[2].data_ptr() + 4 * RANKS
     assert (p.scale_stride_token, p.scale_stride_group) == (1, 64)   # column-major scales as given
     assert launches[-1][0] == plan.dispatch_kernel(RANKS, LOCAL, HIDDEN, 2, "long long", True)
 
@@ -113,6 +121,7 @@ def test_worst_and_cached_dispatch_and_combine(launches):
     p = launches[-1][2]
     assert launches[-1][0] == plan.dispatch_kernel(RANKS, LOCAL, HIDDEN, 2, "int", False)
     assert not p.recv_src_meta and not p.topk_idx and p.num_topk == 0   # ctypes reads a null as None
+    assert p.max_tokens == worst.handle[2].data_ptr() + 4 * RANKS
 
     rows = torch.randn(500, HIDDEN).bfloat16()
     bias = torch.randn(64, HIDDEN).bfloat16()
@@ -120,11 +129,12 @@ def test_worst_and_cached_dispatch_and_combine(launches):
     assert combined.shape == (64, HIDDEN) and weights.shape == (64, TOPK)
     name, grid, p = launches[-1]
     assert name == plan.combine_kernel(RANKS, LOCAL, HIDDEN * 2) and grid == 6
-    layout = plan.CombineLayout(gb.rdma.nbytes, RANKS, LOCAL, HIDDEN * 2, TOPK)
+    layout = plan.CombineLayout(gb.rdma.nbytes, RANKS, LOCAL, HIDDEN * 2)
     assert (p.push_offset, p.partial_stage_offset, p.partial_recv_offset, p.capacity, p.chunk_records) == \
         (layout.push_offset, layout.partial_stage_offset, layout.partial_recv_offset, layout.capacity,
          layout.chunk_records)
     assert (p.bias0, p.bias1, p.num_chunks) == (bias.data_ptr(), None, plan.num_chunks(8))
+    assert p.max_tokens == worst.handle[2].data_ptr() + 4 * RANKS and p.num_topk == TOPK
     with pytest.raises(ValueError, match="x has 499 rows"):
         internode.combine(gb, rows[:499], worst.handle, None, (None, None), Config(6))
 
@@ -135,14 +145,22 @@ def test_capacity_and_buffer_errors_come_before_any_launch(launches, monkeypatch
         dispatch(fake_backend(rdma_bytes=plan.header_bytes(RANKS, RANKS // LOCAL) + 1024), x)
     small = plan.header_bytes(RANKS, RANKS // LOCAL) + 2 * 2 * 40 * plan.dispatch_record_bytes(HIDDEN * 2, 0, TOPK, LOCAL)
     gb = fake_backend(rdma_bytes=small)
-    with pytest.raises(ValueError, match="64 tokens per rank do not fit the RDMA buffer"):
-        dispatch(gb, x, num_worst_tokens=300)
     assert launches == []
+    # num_worst_tokens: this rank's N is no collective-safe host check (the other ranks would launch
+    # and wait for it): both kernels launch, the data kernel checks the largest N of all ranks
+    dispatch(gb, x, num_worst_tokens=300)
+    assert len(launches) == 2 and launches[-1][2].capacity == 40
     # exact mode learns the largest N of all ranks from notify: every rank raises there alike
+    launches.clear()
     answer_counts(monkeypatch, 64, 5)
     with pytest.raises(ValueError, match="the largest N of all ranks"):
         dispatch(gb, x)
     assert len(launches) == 1   # notify only
+    topk_idx, weights, per_rank, per_node, _, in_rank = routing(64)
+    too_many = torch.zeros(RANKS * (plan.MAX_LOCAL_EXPERTS + 1), dtype=torch.int32)
+    with pytest.raises(ValueError, match="1025 experts per rank; internode mode supports up to 1024"):
+        internode.dispatch(gb, x, None, None, per_rank, per_node, in_rank, too_many, topk_idx, weights, 1, 0, Config(8))
+    assert len(launches) == 1
     gb = fake_backend()
     gb.low_latency_mode = True
     with pytest.raises(NotImplementedError, match="low_latency_mode"):
@@ -154,3 +172,44 @@ def test_capacity_and_buffer_errors_come_before_any_launch(launches, monkeypatch
     gb.rdma.peer_ptrs = [0, 1, 1, 1]
     with pytest.raises(ValueError, match=r"ranks \[0\] of this node are not reachable"):
         dispatch(gb, x)
+
+
+def test_later_calls_check_capacity_on_the_host_only_where_every_rank_knows_n(launches, monkeypatch):
+    """An exact-mode handle carries the largest N of all ranks (read after notify): a cached dispatch
+    or a combine that cannot hold it raises on every rank before any launch. A num_worst_tokens
+    handle does not: the kernel checks it (every rank alike), never this rank's N on the host."""
+    gb = fake_backend(rdma_bytes=16 << 20)
+    x = torch.randn(64, HIDDEN).bfloat16()
+    answer_counts(monkeypatch, 3000, 37)
+    exact = dispatch(gb, x).handle   # 3000 fits the 16 MiB dispatch capacity, not combine's
+    combine = plan.CombineLayout(gb.rdma.nbytes, RANKS, LOCAL, HIDDEN * 2).capacity
+    assert combine < 3000 <= launches[-1][2].capacity
+    launches.clear()
+    with pytest.raises(ValueError, match=f"3000 tokens per rank do not fit .* holds {combine} .*largest N"):
+        internode.combine(gb, torch.randn(37, HIDDEN).bfloat16(), exact, None, (None, None), Config(6))
+    assert launches == []
+    small = fake_backend(rdma_bytes=plan.header_bytes(RANKS, RANKS // LOCAL) +
+                         2 * 2 * 2000 * plan.dispatch_record_bytes(HIDDEN * 2, 0, 0, LOCAL))
+    with pytest.raises(ValueError, match="3000 tokens per rank do not fit"):
+        dispatch(small, x, handle=exact)
+    assert launches == []
+    worst = dispatch(gb, x, num_worst_tokens=500).handle
+    launches.clear()
+    internode.combine(gb, torch.randn(500, HIDDEN).bfloat16(), worst, None, (None, None), Config(6))
+    dispatch(small, x, handle=worst)
+    assert [p.max_tokens for _, _, p in launches] == [worst[2].data_ptr() + 4 * RANKS] * 2
+
+
+def test_combine_bias_must_cover_every_token(launches):
+    """The kernel reads a bias row for every token: fewer rows (or another hidden) raise first."""
+    gb = fake_backend()
+    worst = dispatch(gb, torch.randn(64, HIDDEN).bfloat16(), num_worst_tokens=500).handle
+    launches.clear()
+    rows = torch.randn(500, HIDDEN).bfloat16()
+    for bias in ((torch.zeros(63, HIDDEN).bfloat16(), None), (None, torch.zeros(64, HIDDEN - 8).bfloat16()),
+                 (torch.zeros(64, HIDDEN).bfloat16(), torch.zeros(65, HIDDEN).bfloat16())):
+        with pytest.raises(ValueError, match=r"bias must be \[num_tokens, hidden\] = \[64, 256\]"):
+            internode.combine(gb, rows, worst, None, bias, Config(6))
+    assert launches == []
+    internode.combine(gb, rows, worst, None, (torch.zeros(64, HIDDEN).bfloat16(), None), Config(6))
+    assert len(launches) == 1

@@ -58,7 +58,9 @@ def test_header_and_constants_mirror_cpp():
         lines.append(f"static_assert(epcomm::internode::Header<{ranks}, {nodes}>::kBytes == "
                      f"{plan.header_bytes(ranks, nodes)}, \"header bytes R={ranks} M={nodes}\");")
     for name, value in (("kThreads", plan.THREADS), ("kNotifyThreads", plan.NOTIFY_THREADS),
-                        ("kMaxChunks", plan.MAX_CHUNKS), ("kPhaseConfigMismatch", len(plan.PHASES) - 1)):
+                        ("kMaxChunks", plan.MAX_CHUNKS), ("kMaxTopk", plan.MAX_TOPK),
+                        ("kMaxLocalExperts", plan.MAX_LOCAL_EXPERTS), ("kNotifyHead", plan.NOTIFY_HEAD),
+                        ("kPhaseConfigMismatch", len(plan.PHASES) - 2), ("kPhaseCapacity", len(plan.PHASES) - 1)):
         lines.append(f"static_assert(epcomm::internode::{name} == {value}, \"{name}\");")
     target = options.Target.make(90, 90, True)
     try:
@@ -77,7 +79,7 @@ def test_layouts_fit_the_buffer(ranks, local):
         nodes = ranks // local
         assert d.capacity > 0 and d.record_bytes % 16 == 0 and d.recv_offset % 256 == 0
         assert d.stage_offset + nodes * d.capacity * d.record_bytes <= nbytes
-        c = plan.CombineLayout(nbytes, ranks, local, row, topk)
+        c = plan.CombineLayout(nbytes, ranks, local, row)
         assert c.push_bytes % 16 == 0 and c.partial_bytes % 16 == 0
         assert c.partial_recv_offset + nodes * c.capacity * c.partial_bytes <= nbytes
         assert -(-c.capacity // c.chunk_records) <= plan.MAX_CHUNKS   # signal words per node
@@ -91,13 +93,13 @@ def test_size_hint_holds_the_hinted_tokens(ranks):
         local = plan.hint_local_ranks(ranks)
         d = plan.DispatchLayout(hint, ranks, local,
                                 plan.dispatch_record_bytes(hidden * 2, hidden // 128, plan.MAX_TOPK, local))
-        c = plan.CombineLayout(hint, ranks, local, hidden * 2, plan.MAX_TOPK)
+        c = plan.CombineLayout(hint, ranks, local, hidden * 2)
         assert min(d.capacity, c.capacity) >= plan.HINT_TOKENS
-        assert plan.notify_offsets(ranks, ranks // local, 1024)[2] <= hint
+        assert plan.notify_offsets(ranks, ranks // local)[2] <= hint
         # and it is not oversized: 10% fewer bytes no longer hold the hinted tokens
         smaller = int(hint * 0.9)
         assert min(plan.DispatchLayout(smaller, ranks, local, d.record_bytes).capacity,
-                   plan.CombineLayout(smaller, ranks, local, hidden * 2, plan.MAX_TOPK).capacity) < plan.HINT_TOKENS
+                   plan.CombineLayout(smaller, ranks, local, hidden * 2).capacity) < plan.HINT_TOKENS
 
 
 def test_capacity_check_names_the_fix():

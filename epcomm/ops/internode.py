@@ -5,14 +5,18 @@ build the routing tables) then the data kernel; with num_worst_tokens == 0 the h
 counts in between (one small D2H copy + stream sync) to size the outputs exactly; with
 num_worst_tokens > 0 nothing touches the host (CUDA-graph capturable). A cached dispatch and a
 combine are one launch. Everything lives in the RDMA buffer (num_rdma_bytes); calls are one-shot:
-every rank's N must fit the capacity internode_plan computes (ValueError before the data kernel:
-before any launch with num_worst_tokens (this rank's N), after notify in exact mode (the largest N
-of all ranks, so every rank raises alike)).
+the largest N of all ranks must fit the capacity internode_plan computes. Every data kernel checks
+it on the device (notify leaves it in handle[2][R]): DeviceCheckFailed on every rank, work skipped,
+the Buffer then unusable. Where every rank knows that N on the host (exact-mode dispatch, after
+notify, and later calls with its handle) a ValueError comes first, on every rank alike, before the
+launch, and the Buffer stays usable. No host check ever uses this rank's N alone: one rank raising
+before a collective launch would leave the others waiting for it (PeerTimeout).
 
 Handle (10-tuple), int32 CUDA tensors except element 0 (M nodes, L ranks per node, G chunks):
   0 is_token_in_rank [N, R] bool, as given
   1 rdma_channel_prefix [M, G+1]: [m][g] = tokens of chunks < g this rank sends to node m ([m][G]: all)
-  2 gbl_channel_prefix [R, 1]: tokens this rank sends to each rank
+  2 gbl_channel_prefix [R + 1]: tokens this rank sends to each rank, then the largest N of all ranks
+    (notify's; the data kernels check it against their capacity)
   3 recv_rdma_channel_prefix [R, G+1]: row s = rank s's rdma_channel_prefix row for this rank's node
   4 recv_rdma_rank_prefix_sum [M]: inclusive prefix of rows received from nodes 0..n
   5 recv_gbl_channel_prefix [R, 1]: first row received from each source rank
@@ -26,7 +30,7 @@ G comes from Config.num_sms (internode_plan.num_chunks) and must be equal on eve
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -89,8 +93,13 @@ def _check_buffer(gb, config, what: str) -> None:
 
 
 def _check_notify_fits(gb, num_local_experts: int, what: str) -> None:
+    """A function of the topology, the buffer size and num_experts alone: every rank that passes the
+    same num_experts raises alike (ranks that disagree are what the notify kernel catches)."""
+    if num_local_experts > plan.MAX_LOCAL_EXPERTS:
+        raise ValueError(f"{what}: {num_local_experts} experts per rank; internode mode supports up to "
+                         f"{plan.MAX_LOCAL_EXPERTS}")
     num_nodes = gb.num_ranks // gb.num_local_ranks
-    end = plan.notify_offsets(gb.num_ranks, num_nodes, num_local_experts)[2]
+    end = plan.notify_offsets(gb.num_ranks, num_nodes)[2]
     if end > gb.rdma.nbytes:
         raise ValueError(f"{what}: num_rdma_bytes={gb.rdma.nbytes} is smaller than the {end} bytes the "
                          f"count exchange of {gb.num_ranks} ranks needs (Config.get_rdma_buffer_size_hint)")
@@ -116,6 +125,32 @@ def _peer_bases(gb) -> int:
 def _dispatch_layout(gb, row_bytes: int, num_scales: int, num_topk: int) -> plan.DispatchLayout:
     record = plan.dispatch_record_bytes(row_bytes, num_scales, num_topk, gb.num_local_ranks)
     return plan.DispatchLayout(gb.rdma.nbytes, gb.num_ranks, gb.num_local_ranks, record)
+
+
+# The largest N of all ranks, by handle, where the host read it (exact-mode dispatch). Every rank
+# read the same value after notify, so a host check against it raises on all ranks alike. Kept as
+# an attribute of handle[2] (whose device copy at [R] the kernels read): a handle rebuilt from copies
+# loses it and is then checked on the device only.
+_MAX_TOKENS_ATTR = "_epcomm_max_tokens"
+
+
+def _host_max_tokens(handle) -> Optional[int]:
+    return getattr(handle[2], _MAX_TOKENS_ATTR, None)
+
+
+def _max_tokens_ptr(handle, num_ranks: int) -> int:
+    """Device address of handle[2][R], the largest N of all ranks."""
+    if handle[2].numel() != num_ranks + 1:
+        raise ValueError(f"handle[2] has {handle[2].numel()} elements, an internode handle of {num_ranks} "
+                         f"ranks {num_ranks + 1}")
+    return handle[2].data_ptr() + 4 * num_ranks
+
+
+def _check_known_capacity(handle, what: str, capacity: int, rdma_bytes: int, detail: str) -> None:
+    """The host-side capacity check, where every rank can make it alike (see _host_max_tokens)."""
+    max_tokens = _host_max_tokens(handle)
+    if max_tokens is not None:
+        plan.check_capacity(what, max_tokens, capacity, rdma_bytes, f"{detail}; the largest N of all ranks")
 
 
 def _launch(gb, kernel, grid: int, threads: int, params) -> None:
@@ -144,19 +179,19 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         index_type = _INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
         layout = _dispatch_layout(gb, row_bytes, num_scales, num_topk)
         _check_notify_fits(gb, num_local_experts, what)
-        if num_worst_tokens > 0:
-            # Only this rank's N is known without a host read (exact mode checks the N of every
-            # rank after notify, so all ranks raise together there).
-            plan.check_capacity(what, num_tokens, layout.capacity, gb.rdma.nbytes,
-                                f"{layout.record_bytes}-byte records")
+        # No capacity check on this rank's N here: the other ranks would launch notify and wait.
+        # num_worst_tokens: the data kernel checks the largest N of all ranks (fits_capacity);
+        # exact mode: _read_counts checks it on the host after notify, on every rank alike.
         chunks = plan.num_chunks(config.num_sms)
-        tables = _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts)
+        tables = _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts,
+                         num_topk, num_scales, row_bytes)
         expert_counts: List[int] = []
         if num_worst_tokens > 0:
             num_out_rows = num_worst_tokens
         else:
-            num_out_rows, expert_counts = _read_counts(gb, tables["info"], num_local_experts,
-                                                       expert_alignment, layout, what)
+            num_out_rows, expert_counts, max_tokens = _read_counts(gb, tables["info"], num_local_experts,
+                                                                   expert_alignment, layout, what)
+            setattr(tables["gbl_channel_prefix"], _MAX_TOKENS_ATTR, max_tokens)
         handle = (is_token_in_rank, tables["rdma_channel_prefix"], tables["gbl_channel_prefix"],
                   tables["recv_rdma_channel_prefix"], tables["recv_rdma_rank_prefix_sum"],
                   tables["recv_gbl_channel_prefix"], tables["recv_gbl_rank_prefix_sum"],
@@ -171,8 +206,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         num_out_rows = handle[7].shape[0]   # exact M, or num_worst_tokens of the fresh call
         chunks = handle[1].shape[1] - 1
         layout = _dispatch_layout(gb, row_bytes, num_scales, 0)
-        plan.check_capacity(what, num_tokens, layout.capacity, gb.rdma.nbytes,
-                            f"{layout.record_bytes}-byte records")
+        _check_known_capacity(handle, what, layout.capacity, gb.rdma.nbytes, f"{layout.record_bytes}-byte records")
     name = plan.dispatch_kernel(num_ranks, num_local, row_bytes, num_scales, index_type, fresh)
     kernel = _kernel(gb, name)
 
@@ -190,7 +224,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         recv_gbl_rank_prefix_sum=handle[6].data_ptr(), send_rdma_head=_ptr(handle[8]),
         send_nvl_head=_ptr(handle[9]), recv_x=_ptr(recv_x), recv_x_scales=_ptr(recv_scales),
         recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
-        recv_src_meta=_ptr(handle[7]) if fresh else 0,
+        recv_src_meta=_ptr(handle[7]) if fresh else 0, max_tokens=_max_tokens_ptr(handle, num_ranks),
         peer_bases=_peer_bases(gb), err=gb.status.device_ptr,
         scale_stride_token=x_scales.stride(0) if x_scales is not None else 0,
         scale_stride_group=x_scales.stride(1) if x_scales is not None else 0,
@@ -206,8 +240,10 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
     return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
 
 
-def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts) -> dict:
-    """Launch the notify kernel; its output tensors by name."""
+def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts, num_topk,
+            num_scales, row_bytes) -> dict:
+    """Launch the notify kernel; its output tensors by name. The token format (num_topk, num_scales,
+    row_bytes: the dispatch record) is exchanged with the counts and checked equal on every rank."""
     num_ranks, num_local, device = gb.num_ranks, gb.num_local_ranks, gb.device
     num_nodes = num_ranks // num_local
     num_tokens = is_token_in_rank.shape[0]
@@ -216,19 +252,20 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
         return torch.empty(shape, dtype=torch.int32, device=device)
 
     out = dict(info=ints(1 + num_ranks * num_ranks + num_local_experts),
-               rdma_channel_prefix=ints(num_nodes, chunks + 1), gbl_channel_prefix=ints(num_ranks, 1),
+               rdma_channel_prefix=ints(num_nodes, chunks + 1), gbl_channel_prefix=ints(num_ranks + 1),
                recv_rdma_channel_prefix=ints(num_ranks, chunks + 1),
                recv_rdma_rank_prefix_sum=ints(num_nodes), recv_gbl_channel_prefix=ints(num_ranks, 1),
                recv_gbl_rank_prefix_sum=ints(num_ranks), send_rdma_head=ints(num_tokens, num_nodes),
                send_nvl_head=ints(num_tokens, num_ranks))
-    area, stage, _ = plan.notify_offsets(num_ranks, num_nodes, num_local_experts)
+    area, stage, _ = plan.notify_offsets(num_ranks, num_nodes)
     params = plan.NotifyParams(
         is_token_in_rank=_ptr(is_token_in_rank), num_tokens_per_expert=_ptr(num_tokens_per_expert),
         peer_bases=_peer_bases(gb), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
         area_offset=area, stage_offset=stage, num_tokens=num_tokens, num_chunks=chunks,
         tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
-        num_local_experts=num_local_experts, notify_ints=plan.notify_ints(num_ranks, num_local_experts),
-        rank=gb.rank, op=DISPATCH_OP, **{k: _ptr(v) for k, v in out.items()})
+        num_local_experts=num_local_experts, notify_ints=plan.notify_ints(num_ranks), num_topk=num_topk,
+        num_scales=num_scales, row_bytes=row_bytes, rank=gb.rank, op=DISPATCH_OP,
+        **{k: _ptr(v) for k, v in out.items()})
     _launch(gb, _kernel(gb, plan.notify_kernel(num_ranks, num_local)), 1, plan.NOTIFY_THREADS, params)
     return out
 
@@ -237,23 +274,24 @@ def _host_ints(gb, ints: torch.Tensor) -> List[int]:
     """The values of a device int32 tensor once the stream got there (a GPU failure recorded by
     then raises first: PeerTimeout / DeviceCheckFailed)."""
     pinned = torch.empty(ints.shape, dtype=torch.int32, pin_memory=True)
-    pinned.copy_(ints, non_blocking=True)
-    torch.cuda.current_stream().synchronize()
+    pinned.copy_(ints, non_blocking=True)   # queued on gb.device's current stream
+    torch.cuda.current_stream(gb.device_index).synchronize()
     gb.check_errors()
     return pinned.tolist()
 
 
 def _read_counts(gb, info, num_local_experts, expert_alignment, layout, what):
-    """Exact mode: wait for notify, read the counts. Every rank reads the same N max, so the
-    capacity check raises on all ranks alike (ranks with different Config.num_sms or num_experts
-    were recorded by the notify kernel: check_errors raises that)."""
+    """Exact mode: wait for notify, read the counts -> (rows received, per-expert counts, largest N
+    of all ranks). Every rank reads the same N max, so the capacity check raises on all ranks alike
+    (ranks with different Config.num_sms, num_experts or token formats were recorded by the notify
+    kernel: check_errors raises that)."""
     num_ranks, values = gb.num_ranks, _host_ints(gb, info)
     plan.check_capacity(what, values[0], layout.capacity, gb.rdma.nbytes,
                         f"{layout.record_bytes}-byte records; the largest N of all ranks")
     num_recv = values[1 + (num_ranks - 1) * num_ranks + gb.rank]
     experts = values[1 + num_ranks * num_ranks:]
     align = expert_alignment
-    return num_recv, [(c + align - 1) // align * align for c in experts]
+    return num_recv, [(c + align - 1) // align * align for c in experts], values[0]
 
 
 # ---- combine ---------------------------------------------------------------------------------
@@ -268,13 +306,19 @@ def combine(gb, x, handle, topk_weights, bias, config):
     if x.shape[0] != handle[7].shape[0]:
         raise ValueError(f"{what}: x has {x.shape[0]} rows, the handle's dispatch received "
                          f"{handle[7].shape[0]}")
+    for b in bias:   # the kernel reads bias rows of every token
+        if b is not None and tuple(b.shape) != (num_tokens, hidden):
+            raise ValueError(f"{what}: bias must be [num_tokens, hidden] = [{num_tokens}, {hidden}] (num_tokens "
+                             f"= rows of the handle's is_token_in_rank), got {list(b.shape)}")
     x, topk_weights = _aligned(x.contiguous()), _aligned(topk_weights)
     bias0, bias1 = (_aligned(b) for b in bias)
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-    layout = plan.CombineLayout(gb.rdma.nbytes, num_ranks, num_local, hidden * 2, num_topk)
-    plan.check_capacity(what, num_tokens, layout.capacity, gb.rdma.nbytes,
-                        f"{layout.push_bytes}-byte rows per local rank and {layout.partial_bytes}-byte "
-                        f"partial sums")
+    layout = plan.CombineLayout(gb.rdma.nbytes, num_ranks, num_local, hidden * 2)
+    # This rank's N alone is no collective-safe check (the others would launch and wait): the
+    # largest N of all ranks, on the host where known, else on the device (fits_capacity).
+    _check_known_capacity(handle, what, layout.capacity, gb.rdma.nbytes,
+                          f"{layout.push_bytes}-byte rows per local rank and {layout.partial_bytes}-byte "
+                          f"partial sums")
     kernel = _kernel(gb, plan.combine_kernel(num_ranks, num_local, hidden * 2))
 
     combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
@@ -285,7 +329,8 @@ def combine(gb, x, handle, topk_weights, bias, config):
         recv_src_meta=_ptr(handle[7]), recv_gbl_rank_prefix_sum=handle[6].data_ptr(),
         recv_rdma_channel_prefix=handle[3].data_ptr(), send_rdma_head=_ptr(handle[8]),
         combined_x=_ptr(combined_x), combined_weights=_ptr(combined_weights),
-        peer_bases=_peer_bases(gb), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
+        max_tokens=_max_tokens_ptr(handle, num_ranks), peer_bases=_peer_bases(gb), err=gb.status.device_ptr,
+        timeout_ns=gb.timeout_ns,
         push_offset=layout.push_offset, partial_stage_offset=layout.partial_stage_offset,
         partial_recv_offset=layout.partial_recv_offset, capacity=layout.capacity,
         push_bytes=layout.push_bytes, partial_bytes=layout.partial_bytes,
