@@ -301,8 +301,8 @@ def _read_counts(gb, info, chunks, num_local_experts, expert_alignment, row_byte
     or num_experts were recorded by the notify kernel: check_errors raises that.)"""
     num_ranks = gb.num_ranks
     host = torch.empty(info.shape, dtype=torch.int32, pin_memory=True)
-    host.copy_(info, non_blocking=True)
-    torch.cuda.current_stream().synchronize()
+    host.copy_(info, non_blocking=True)   # queued on the current stream of info's device
+    torch.cuda.current_stream(gb.device_index).synchronize()
     gb.check_errors()
     values = host.tolist()
     rank_prefix = values[:num_ranks * num_ranks]
