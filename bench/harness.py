@@ -119,6 +119,19 @@ def time_stats(fn: Callable[[], object], warmup: int = 5, iters: int = 20, flush
     return Timing([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)])
 
 
+def host_issue_times(fn: Callable[[], object], iters: int, busy_cycles: int) -> List[float]:
+    """Host time (us) to issue `fn()` while the GPU is busy with a `torch.cuda._sleep` of
+    `busy_cycles` (so no launch waits on the device), one call per sleep, synchronised after each."""
+    times = []
+    for _ in range(iters):
+        torch.cuda._sleep(busy_cycles)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    return times
+
+
 def time_us(fn: Callable[[], object], warmup: int = 5, iters: int = 20, flush_l2: bool = True,
             sync: Optional[Callable[[], None]] = None, device: Optional[torch.device] = None) -> float:
     """Average microseconds per call of `fn` (see time_stats)."""

@@ -22,6 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from bench.harness import host_issue_times
+
 SLEEP_CYCLES = 3_000_000   # ~1.5 ms at ~2 GHz: longer than any host issue of one call
 
 
@@ -66,15 +68,8 @@ def _time_ops_module():
 
 
 def _host_times(fn, iters):
-    out = []
     _OPS_US.clear()
-    for _ in range(iters):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
-    return out, list(_OPS_US)
+    return host_issue_times(fn, iters, SLEEP_CYCLES), list(_OPS_US)
 
 
 def _trace_summary(trace, slots):

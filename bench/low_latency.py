@@ -20,14 +20,14 @@ N in 1..512, H in 2048..8192, K in 4..16 (one axis at a time; each point is a ne
 from __future__ import annotations
 
 import statistics
-import time
 from typing import List
 
 import torch
 import torch.distributed as dist
 
 from .baselines import torch_moe_name
-from .harness import (BenchContext, Case, Record, gbps, low_latency_combine_bytes, low_latency_dispatch_bytes)
+from .harness import (BenchContext, Case, Record, gbps, host_issue_times, low_latency_combine_bytes,
+                      low_latency_dispatch_bytes)
 
 TARGET = dict(N=128, H=7168, K=8, E=288)
 TARGET_US = {"dispatch": 20.0, "combine": 28.0, "dispatch+combine": 50.0}
@@ -164,15 +164,8 @@ def _after_first(durations: List[float]) -> dict:
 
 def _host_us(ctx: BenchContext, call, calls: int) -> float:
     """Median host time to issue `call()` with the GPU busy (no launch waits on the device)."""
-    times = []
     ctx.align()
-    for _ in range(calls):
-        torch.cuda._sleep(BUSY_CYCLES)
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return statistics.median(host_issue_times(call, calls, BUSY_CYCLES))
 
 
 def _nccl_same_bytes(ctx: BenchContext, per_peer_bytes: int) -> float:
