@@ -17,7 +17,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALIASES = {"lowlat": "low_latency", "low-latency": "low_latency", "ll": "low_latency",
-           "baseline": "baselines", "copies": "copy", "p2p": "copy"}
+           "baseline": "baselines", "copies": "copy", "p2p": "copy", "inter": "internode"}
 CPU_WORLD_SIZE = 2
 
 
@@ -25,7 +25,8 @@ def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer iterations and sweep points")
     p.add_argument("--only", default="", metavar="M1,M2",
-                   help="modules to run: copy, baselines, layout, intranode, low_latency (default: all)")
+                   help="modules to run: copy, baselines, layout, intranode, low_latency, internode "
+                        "(default: all)")
     p.add_argument("--out", default=None, metavar="PATH",
                    help="JSON path (default bench/results/<UTC date>_<machine>.json)")
     p.add_argument("--timeout", type=float, default=3600.0,

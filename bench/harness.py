@@ -8,8 +8,11 @@ the timed region; CUDA events around the call alone; the figure is the average o
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -202,6 +205,57 @@ class CheckFailed(AssertionError):
     """A correctness check of a case failed (on at least one rank)."""
 
 
+class Attempts:
+    """Calls that may raise on some ranks only (a mode that has not run on this machine yet), made so
+    that every rank still makes the same collective calls: `attempts(fn)` returns fn() or, once a
+    call raised on this rank, None without calling anything more; `wrap(fn)` is that as a function
+    to time (the ranks' alignment calls stay paired). Then `check(ctx, what)`: collective, fails on
+    every rank if a call raised on any (or `problems` were found), with the first exception's
+    traceback in the message (the JSON keeps it). The peers' calls that wait on the device for
+    this rank's skipped ones end at EPCOMM_TIMEOUT_S and then raise on their rank too."""
+
+    def __init__(self):
+        self.errors: List[str] = []
+        self.tracebacks: List[str] = []
+
+    def __call__(self, fn: Callable[[], object]):
+        if self.errors:
+            return None
+        try:
+            return fn()
+        except Exception as exc:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            self.errors.append(f"{type(exc).__name__}: {message}")
+            self.tracebacks.append(traceback.format_exc())
+            return None
+
+    def wrap(self, fn: Callable[[], object]) -> Callable[[], object]:
+        return lambda: self(fn)
+
+    def check(self, ctx: "BenchContext", what: str, problems: Iterable[str] = ()) -> None:
+        problems = self.errors + list(problems)
+        try:
+            ctx.check(not problems, what + (f" ({'; '.join(problems)})" if problems else ""))
+        except CheckFailed as exc:
+            if self.tracebacks:
+                raise CheckFailed(f"{exc}\n{self.tracebacks[0]}") from None
+            raise
+
+
+@contextlib.contextmanager
+def environment(name: str, value: str):
+    """os.environ[name] = value inside the block, restored (or unset again) afterwards."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
 # ---------------------------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------------------------
@@ -327,22 +381,26 @@ class BenchContext:
 
     # ---- epcomm.Buffer factory ---------------------------------------------------------------
     def buffer(self, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
-               **kwargs):
+               num_local_ranks: Optional[int] = None, **kwargs):
         """A live epcomm.Buffer over `group` with at least these sizes and exactly these flags. One
         Buffer is kept at a time: a request the current one cannot serve destroys it (collectively:
-        every rank makes the same requests in the same order) and builds a new one."""
+        every rank makes the same requests in the same order) and builds a new one.
+        `num_local_ranks` sets EPCOMM_NUM_LOCAL_RANKS while the Buffer is built (ranks per "node";
+        fewer than the ranks of a host make internode mode on one host), restored afterwards."""
         import epcomm
-        flags = (bool(low_latency_mode), tuple(sorted(kwargs.items())))
+        flags = (bool(low_latency_mode), num_local_ranks, tuple(sorted(kwargs.items())))
         if self._buffer is not None:
             (have_nvl, have_rdma), have_flags = self._buffer_key
             if have_flags == flags and have_nvl >= num_nvl_bytes and have_rdma >= num_rdma_bytes:
                 return self._buffer
             self.release_buffer()
         self.progress(f"creating Buffer(nvl={num_nvl_bytes}, rdma={num_rdma_bytes}, "
-                      f"low_latency_mode={low_latency_mode})")
-        self._buffer = epcomm.Buffer(self.group, num_nvl_bytes, num_rdma_bytes,
-                                     low_latency_mode=low_latency_mode, explicitly_destroy=True,
-                                     **kwargs)
+                      f"low_latency_mode={low_latency_mode}, local ranks={num_local_ranks or 'auto'})")
+        with contextlib.nullcontext() if num_local_ranks is None else \
+                environment("EPCOMM_NUM_LOCAL_RANKS", str(num_local_ranks)):
+            self._buffer = epcomm.Buffer(self.group, num_nvl_bytes, num_rdma_bytes,
+                                         low_latency_mode=low_latency_mode, explicitly_destroy=True,
+                                         **kwargs)
         self._buffer_key = ((num_nvl_bytes, num_rdma_bytes), flags)
         return self._buffer
 
@@ -367,6 +425,15 @@ class BenchContext:
                                                             self.world_size, num_experts)
         return self.buffer(num_rdma_bytes=rdma, low_latency_mode=True,
                            num_qps_per_rank=max(1, num_experts // self.world_size))
+
+    def internode_buffer(self, max_tokens: int, hidden: int, num_topk: int):
+        """A Buffer in internode mode with one rank per "node" (every rank its own node, so every
+        transfer between ranks is an RDMA-stage one: NVSHMEM puts, over NVLink P2P on one host),
+        sized by the internode plan for `max_tokens` BF16 rows of `hidden` per rank (calls are
+        one-shot; FP8 records are smaller)."""
+        from epcomm.ops.internode_plan import rdma_bytes_needed
+        rdma = rdma_bytes_needed(max_tokens, hidden * 2, 0, num_topk, self.world_size, 1)
+        return self.buffer(num_nvl_bytes=NVL_BYTES_WITHOUT_HINT, num_rdma_bytes=rdma, num_local_ranks=1)
 
     def release_buffer(self, destroy: bool = True) -> None:
         """Drop the current Buffer; destroy it (collective) unless a failed case may have left it

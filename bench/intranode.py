@@ -13,15 +13,16 @@ then sweeps over N (128..16384), H (2048..8192) and SMs (8..48), BF16 dispatch a
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from . import baselines
-from .harness import BenchContext, Case, Record, gbps, normal_bytes
+from .harness import Attempts, BenchContext, Case, Record, gbps, normal_bytes
 
 SETTING = dict(N=4096, H=7168, K=8, E=256)
 TARGET_SMS = 24
+INPUT_SEED = 3        # ctx.inputs seed of every setting (any rank can rebuild another rank's inputs)
 TARGET_GBPS = {"dispatch BF16": 450.0, "dispatch FP8": 330.0, "combine BF16": 400.0}
 SWEEP_N = (128, 512, 1024, 2048, 4096, 8192, 16384)
 SWEEP_H = (2048, 4096, 7168, 8192)
@@ -62,27 +63,53 @@ def _nvl_bytes(ctx: BenchContext, max_tokens: int, hidden: int) -> int:
 
 def _run(ctx: BenchContext, N: int, H: int, K: int, E: int, sms: int, ops: tuple,
          target: bool = False) -> List[Record]:
-    import epcomm
     buffer = ctx.buffer(num_nvl_bytes=_nvl_bytes(ctx, max(SWEEP_N), max(SWEEP_H + (H,))))
+    return run_normal(ctx, buffer, intranode_name, N, H, K, E, sms, ops,
+                      goals=TARGET_GBPS if target else None, with_baseline=target)
+
+
+def run_normal(ctx: BenchContext, buffer, name: Callable[..., str], N: int, H: int, K: int, E: int,
+               sms: int, ops: tuple, goals: Optional[Dict[str, float]] = None, with_baseline: bool = False,
+               verify: Optional[Callable[..., List[str]]] = None,
+               setting: Optional[dict] = None) -> List[Record]:
+    """Check, then time normal-mode `ops` on `buffer` (intranode, or internode: the layout's per-node
+    counts go to the fresh dispatch as well). The check: the cached dispatch equals the fresh one and
+    combine(dispatch(x)) equals x times the ranks each token reached (calc_diff < 5e-6), plus what
+    `verify(x, fresh dispatch result, config)` returns (problems, empty when right). Every epcomm
+    call goes through harness.Attempts, so a call that raises on one rank only fails the check (or
+    the timing) on every rank instead of leaving the others in a collective. "Remote" rows (the
+    nvlink_gbps figure) are the rows from other ranks: from other nodes when every rank is a node.
+    `name(op, N, H, K, E, sms)` names the records; `goals` maps op -> logical GB/s target;
+    `with_baseline` compares dispatch / combine with the same-run torch+NCCL MoE."""
+    import epcomm
     config = epcomm.Config(sms)
-    inputs = ctx.inputs(N, H, E, K, seed=3)
+    inputs = ctx.inputs(N, H, E, K, seed=INPUT_SEED)
     x, topk_idx, topk_weights = inputs.x, inputs.topk_idx.to(epcomm.topk_idx_t), inputs.topk_weights
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
-    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                  topk_idx=topk_idx, topk_weights=topk_weights, config=config)
+    attempts = Attempts()
 
-    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, **layout)
+    def round_trip():
+        per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+        layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                      is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                      topk_weights=topk_weights, config=config)
+        fresh = buffer.dispatch(x, **layout)
+        recv_x, _, recv_w, _, handle, _ = fresh
+        cached = buffer.dispatch(x, handle=handle, config=config)[0]
+        combined = buffer.combine(recv_x, handle, topk_weights=recv_w, config=config)[0]
+        diff = calc_diff(combined.float(), x.float() * in_rank.sum(1, keepdim=True).float())
+        problems = [] if torch.equal(cached, recv_x) else ["cached != fresh dispatch"]
+        problems += [f"calc_diff {diff:.2e}"] if diff >= 5e-6 else []
+        problems += verify(x, fresh, config) if verify is not None else []
+        return layout, fresh, int(in_rank[:, ctx.rank].sum()), problems
+
+    checked = attempts(round_trip)
+    attempts.check(ctx, f"{name('round trip', N, H, K, E, sms)}: cached == fresh dispatch and "
+                        f"combine(dispatch(x)) == x * ranks reached", checked[3] if checked else ())
+    layout, (recv_x, _, recv_w, _, handle, _), own_rows, _ = checked
     rows = recv_x.shape[0]
-    remote_rows = rows - int(in_rank[:, ctx.rank].sum())
-    cached = buffer.dispatch(x, handle=handle, config=config)[0]
-    combined, weights, _ = buffer.combine(recv_x, handle, topk_weights=recv_w, config=config)
-    reached = in_rank.sum(1, keepdim=True).float()
-    diff = calc_diff(combined.float(), x.float() * reached)
-    ctx.check(torch.equal(cached, recv_x) and diff < 5e-6,
-              f"intranode N={N} H={H} SMs={sms}: cached == fresh dispatch and combine round trip "
-              f"(calc_diff {diff:.2e})")
-
-    setting = dict(N=N, H=H, K=K, E=E, R=ctx.world_size, sms=sms, recv_rows=rows, remote_rows=remote_rows)
+    remote_rows = rows - own_rows
+    setting = dict(N=N, H=H, K=K, E=E, R=ctx.world_size, sms=sms, recv_rows=rows, remote_rows=remote_rows,
+                   **(setting or {}))
     x_fp8 = fp8_cast(x) if "dispatch FP8" in ops else None
     calls = {
         "dispatch BF16": (lambda: buffer.dispatch(x, handle=handle, config=config), False),
@@ -95,13 +122,14 @@ def _run(ctx: BenchContext, N: int, H: int, K: int, E: int, sms: int, ops: tuple
     records = []
     for op in ops:
         fn, fp8 = calls[op]
-        timing = ctx.time_stats(fn)
+        timing = ctx.time_stats(attempts.wrap(fn))
+        attempts.check(ctx, f"{name(op, N, H, K, E, sms)}: timed calls")
         us = timing.mean_us
-        goal = TARGET_GBPS.get(op) if target else None
+        goal = (goals or {}).get(op)
         baseline: Optional[str] = None
-        if target and op.split()[0] in ("dispatch", "combine"):
+        if with_baseline and op.split()[0] in ("dispatch", "combine"):
             baseline = baselines.torch_moe_name(op.split()[0], N, H, K, E)
-        records.append(Record(intranode_name(op, N, H, K, E, sms), setting, us=us,
+        records.append(Record(name(op, N, H, K, E, sms), setting, us=us,
                               logical_gbps=gbps(normal_bytes(rows, H, fp8), us),
                               nvlink_gbps=gbps(normal_bytes(remote_rows, H, fp8), us), sms=sms,
                               extra=timing.summary(), baseline=baseline,
