@@ -4,6 +4,8 @@ timed with the host clock. A wrong round trip fails the case, so `python -m benc
 
 Normal mode: layout -> dispatch -> combine, then a cached-handle dispatch.
 Low-latency mode: dispatch (BF16 and FP8) -> identity experts -> weighted combine.
+Internode normal mode: the normal-mode round trip with every rank its own node
+(EPCOMM_NUM_LOCAL_RANKS=1 while its Buffer is built): per-node counts, the 10-tuple handle.
 """
 from __future__ import annotations
 
@@ -34,21 +36,27 @@ def _record(name: str, setting: dict, timing, nbytes: int = 0) -> Record:
 # ---------------------------------------------------------------------------------------------
 # Normal mode
 # ---------------------------------------------------------------------------------------------
-def _normal(ctx: BenchContext) -> List[Record]:
+def _normal(ctx: BenchContext, internode: bool = False) -> List[Record]:
+    """internode: every rank its own node (EPCOMM_NUM_LOCAL_RANKS=1 while the Buffer is built), so
+    the layout's per-node counts, the 10-tuple handle and the per-node combine order apply."""
     N, H, K, E = NORMAL["N"], NORMAL["H"], NORMAL["K"], NORMAL["E"]
     R, rank, local_experts = ctx.world_size, ctx.rank, NORMAL["E"] // ctx.world_size
     inputs = [ctx.inputs(N, H, E, K, seed=3, rank=r, masked_fraction=MASKED) for r in range(R)]
     mine = inputs[rank]
-    buffer = ctx.normal_buffer(hidden=H)
+    buffer = ctx.internode_buffer(N, H, K) if internode else ctx.normal_buffer(hidden=H)
+    label = "CPU internode " if internode else "CPU "
 
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(mine.topk_idx, E)
+    per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(mine.topk_idx, E)
     want_rank, want_expert, want_in_rank = expected_layout(mine.topk_idx, E, R)
+    # One rank per node: the per-node counts are the per-rank ones (intranode: None).
     ctx.check(torch.equal(per_rank, want_rank) and torch.equal(per_expert, want_expert)
-              and torch.equal(in_rank, want_in_rank), "layout differs from the brute-force counts")
+              and torch.equal(in_rank, want_in_rank)
+              and (torch.equal(per_node, want_rank) if internode else per_node is None),
+              "layout differs from the brute-force counts")
 
-    layout_args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                       num_tokens_per_expert=per_expert, topk_idx=mine.topk_idx,
-                       topk_weights=mine.topk_weights)
+    layout_args = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                       is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                       topk_idx=mine.topk_idx, topk_weights=mine.topk_weights)
     recv_x, recv_idx, recv_w, per_expert_list, handle, _ = buffer.dispatch(mine.x, **layout_args)
 
     # Expected rows: by source rank ascending, each source's tokens for this rank in token order.
@@ -59,8 +67,13 @@ def _normal(ctx: BenchContext) -> List[Record]:
     want_idx = torch.where(mine_mask, want_idx, -1)
     want_w = torch.where(mine_mask, torch.cat([inp.topk_weights[r] for inp, r in zip(inputs, rows)]), 0.0)
     want_counts = [int((want_idx == e).sum()) for e in range(local_experts)]
+    # recv_src_idx: intranode handle[3]; internode handle[7] = (source rank, source token) per row.
+    src_ok = torch.equal((handle[7][:, 1] if internode else handle[3]).long(), torch.cat(rows))
+    if internode:
+        sources = torch.repeat_interleave(torch.arange(R), torch.tensor([len(r) for r in rows]))
+        src_ok &= torch.equal(handle[7][:, 0].long(), sources)
     ctx.check(torch.equal(recv_x, want_x), "dispatch: received rows differ from the senders' rows")
-    ctx.check(torch.equal(handle[3].long(), torch.cat(rows)), "dispatch: recv_src_idx is wrong")
+    ctx.check(src_ok, "dispatch: the handle's source ranks / tokens (recv_src_idx) are wrong")
     ctx.check(torch.equal(recv_idx.long(), want_idx) and torch.equal(recv_w, want_w),
               "dispatch: received top-k ids / weights are wrong")
     ctx.check(list(per_expert_list) == want_counts, "dispatch: num_recv_tokens_per_expert_list is wrong")
@@ -73,16 +86,17 @@ def _normal(ctx: BenchContext) -> List[Record]:
     cached_x = buffer.dispatch(mine.x, handle=handle)[0]
     ctx.check(torch.equal(cached_x, recv_x), "cached-handle dispatch differs from the first dispatch")
 
-    setting = dict(NORMAL, R=R, masked_fraction=MASKED, recv_rows=recv_x.shape[0])
+    setting = dict(NORMAL, R=R, masked_fraction=MASKED, recv_rows=recv_x.shape[0],
+                   **(dict(local_ranks=1) if internode else {}))
     nbytes = normal_bytes(recv_x.shape[0], H)
     return [
-        _record("CPU layout", setting,
+        _record(f"{label}layout", setting,
                 ctx.time_stats(lambda: buffer.get_dispatch_layout(mine.topk_idx, E), align=False)),
-        _record("CPU dispatch bf16", setting, ctx.time_stats(lambda: buffer.dispatch(mine.x, **layout_args)),
-                nbytes),
-        _record("CPU dispatch bf16 (cached handle)", setting,
+        _record(f"{label}dispatch bf16", setting,
+                ctx.time_stats(lambda: buffer.dispatch(mine.x, **layout_args)), nbytes),
+        _record(f"{label}dispatch bf16 (cached handle)", setting,
                 ctx.time_stats(lambda: buffer.dispatch(mine.x, handle=handle)), nbytes),
-        _record("CPU combine bf16", setting,
+        _record(f"{label}combine bf16", setting,
                 ctx.time_stats(lambda: buffer.combine(recv_x, handle, topk_weights=recv_w)), nbytes),
     ]
 
@@ -151,3 +165,4 @@ def _low_latency(ctx: BenchContext) -> List[Record]:
 def cases(ctx: BenchContext):
     yield Case("CPU normal mode round trip", _normal, dict(NORMAL))
     yield Case("CPU low-latency round trip", _low_latency, dict(LOW_LATENCY))
+    yield Case("CPU internode round trip", lambda c: _normal(c, internode=True), dict(NORMAL, local_ranks=1))

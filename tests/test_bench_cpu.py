@@ -1,5 +1,6 @@
 """`python -m bench` without GPUs: the CPU reference backend on 2 gloo processes must pass its round
-trip checks, exit 0, say that it ran the CPU backend, and write a complete JSON report."""
+trip checks (normal, low-latency and internode mode: every rank its own node), exit 0, say that
+it ran the CPU backend, and write a complete JSON report."""
 from __future__ import annotations
 
 import json
@@ -26,7 +27,8 @@ def test_bench_cpu_round_trip(tmp_path):
     by_name = {r["name"]: r for r in report["results"]}
     expected = {"CPU layout", "CPU dispatch bf16", "CPU dispatch bf16 (cached handle)",
                 "CPU combine bf16", "CPU low-latency dispatch bf16", "CPU low-latency dispatch fp8",
-                "CPU low-latency combine bf16"}
+                "CPU low-latency combine bf16", "CPU internode layout", "CPU internode dispatch bf16",
+                "CPU internode dispatch bf16 (cached handle)", "CPU internode combine bf16"}
     assert expected <= set(by_name), sorted(by_name)
     for name in expected:
         result = by_name[name]
