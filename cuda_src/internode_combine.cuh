@@ -96,7 +96,7 @@ struct Combine {
 #pragma unroll
                 for (int j = 0; j < kLocal; ++j) {
                     slots[j] = base + p.push_offset + ((long long)(j * kNodes + n) * cap + i) * p.push_bytes;
-                    const int k = tag_topk(intranode::ld_relaxed_sys_u64(reinterpret_cast<const unsigned long long *>(slots[j] + kPushTag)), epoch);
+                    const int k = tag_topk(ld_relaxed_sys(reinterpret_cast<const unsigned long long *>(slots[j] + kPushTag)), epoch);
                     if (k >= 0 && k != k_top && lane == 0) guard.violation(node * kLocal + j, kPhaseConfigMismatch);
                     present |= (k >= 0) << j;
                 }

@@ -244,16 +244,5 @@ struct RecordFields {
     }
 };
 
-// Eight bf16 values (one 16-byte unit) added into fp32 accumulators.
-__device__ __forceinline__ void add_bf16x8(float *acc, int4 v) {
-    const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
-                           static_cast<uint32_t>(v.w)};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        acc[2 * q] += ll::bf16_lo(w[q]);
-        acc[2 * q + 1] += ll::bf16_hi(w[q]);
-    }
-}
-
 }  // namespace internode
 }  // namespace epcomm

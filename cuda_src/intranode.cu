@@ -27,7 +27,7 @@
 // `epoch` counts this rank's intranode kernels (device-resident; bumped by the last block to
 // finish), so CUDA-graph replays and repeated calls need nothing from the host.
 // Every wait on a peer is bounded (Guard: WaitContext's deadline and ErrorRecord, see
-// intranode_common.cuh); other failures are recorded with kErrorCapacity.
+// intranode_common.cuh); other failures are recorded as kDeviceCheckFailed (Guard::violation).
 #pragma once
 #include "intranode_common.cuh"
 #include "intranode_dispatch.cuh"

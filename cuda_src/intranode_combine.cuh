@@ -1,25 +1,16 @@
 // Intranode combine, device side: pusher and reducer warps (protocol: intranode.cu).
 #pragma once
+#include "common/bf16.cuh"
 #include "intranode_common.cuh"
 
 namespace epcomm {
 namespace intranode {
 
 // ---- combine ----------------------------------------------------------------------------------
-__device__ __forceinline__ float bf16_lo(unsigned int w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(unsigned int w) { return __uint_as_float(w & 0xffff0000u); }
 __device__ __forceinline__ unsigned int f32_to_bf16_rne(float f) {
     const unsigned int u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;   // NaN
     return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
-__device__ __forceinline__ void accumulate(float *acc, const int4 &v) {
-    const unsigned int w[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        acc[2 * i] += bf16_lo(w[i]);
-        acc[2 * i + 1] += bf16_hi(w[i]);
-    }
 }
 
 template <int kRanks, int kRowInt4>
@@ -216,7 +207,7 @@ struct Combine {
                 float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int i = 0; i < kSources; ++i)
-                    if (present(i)) accumulate(acc, v[i][u]);
+                    if (present(i)) add_bf16x8(acc, v[i][u]);
                 int4 out;
                 out.x = (int)(f32_to_bf16_rne(acc[0]) | (f32_to_bf16_rne(acc[1]) << 16));
                 out.y = (int)(f32_to_bf16_rne(acc[2]) | (f32_to_bf16_rne(acc[3]) << 16));

@@ -14,7 +14,6 @@ constexpr int kWarps = kThreads / 32;      // = sender warps per chunk = ready c
 constexpr int kNotifyThreads = 1024;
 constexpr int kMaxChunks = 1024;           // G <= kMaxChunks (signal arrays are sized by it)
 constexpr int kParts = 8;                  // a received chunk is claimed in kParts pieces
-constexpr int kErrorCapacity = kDeviceCheckFailed;  // ErrorRecord.code for a size/config violation
 // 16-byte loads a lane keeps in flight when copying a row (per warp and rank in the reduction).
 // Copies are latency-bound per SM: 8 (16 warps x 8 x 512 B = 56 KiB in flight) measured ~54 GB/s
 // per sending SM on H200 (bench/NOTES.md), so 16 doubles the bytes in flight for small SM counts.
@@ -166,7 +165,6 @@ __device__ __forceinline__ int4 ld_cg_v4(const int4 *p) {
 __device__ __forceinline__ unsigned long long ld_volatile_u64(const void *p) {
     return *static_cast<const volatile unsigned long long *>(p);
 }
-__device__ __forceinline__ unsigned long long ld_relaxed_sys_u64(const unsigned long long *p) { return ld_relaxed_sys(p); }
 
 // Failure handling of the intranode kernels: epcomm::Guard (common/timeout.cuh: the host-mapped
 // ErrorRecord written once on failure, a sticky device-memory flag polled by the waits) with its
@@ -183,14 +181,10 @@ struct Guard : epcomm::Guard {
 // Bounded waits for a value another GPU release-writes: poll with relaxed loads (an acquire load
 // per spin would invalidate the SM's L1 each time), then one acquire load of the same word
 // synchronises with the writer (a fence would also wait for this warp's own pending stores).
-__device__ __forceinline__ bool wait_at_least(const Guard &guard, const int *p, int target, int peer,
-                                              int phase) {
+// T: int or unsigned long long (the ptx.cuh overloads).
+template <class T>
+__device__ __forceinline__ bool wait_at_least(const Guard &guard, const T *p, T target, int peer, int phase) {
     if (!guard.wait(peer, phase, [&] { return ld_relaxed_sys(p) >= target; })) return false;
-    return ld_acquire_sys(p) >= target;
-}
-__device__ __forceinline__ bool wait_at_least(const Guard &guard, const unsigned long long *p,
-                                              unsigned long long target, int peer, int phase) {
-    if (!guard.wait(peer, phase, [&] { return ld_relaxed_sys_u64(p) >= target; })) return false;
     return ld_acquire_sys(p) >= target;
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 #include "common/nvshmem.cuh"
 #include "common/arch.cuh"
+#include "common/bf16.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
 
@@ -31,9 +32,6 @@ __device__ __forceinline__ int ld_cg(const int *p) {
 __device__ __forceinline__ float ld_cg(const float *p) { return __int_as_float(ld_cg(reinterpret_cast<const int *>(p))); }
 __device__ __forceinline__ unsigned long long ld_volatile(const unsigned long long *p) {
     return *reinterpret_cast<const volatile unsigned long long *>(p);
-}
-__device__ __forceinline__ void st_relaxed_sys(unsigned long long *p, unsigned long long v) {
-    asm volatile("st.relaxed.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 // Pull a line into L2 without waiting for it (a later load then hits L2 instead of HBM).
 __device__ __forceinline__ void prefetch_l2(const void *p) {
@@ -65,8 +63,6 @@ template <class T> __device__ __forceinline__ T warp_sum(T v) {
     return v;
 }
 
-__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 // fp32 -> bf16, round to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16).
 __device__ __forceinline__ uint32_t bf16_bits(float f) {
     uint32_t u = __float_as_uint(f);

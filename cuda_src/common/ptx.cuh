@@ -47,6 +47,10 @@ __device__ __forceinline__ void st_relaxed_sys(int *p, int v) {
     asm volatile("st.relaxed.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ void st_relaxed_sys(unsigned long long *p, unsigned long long v) {
+    asm volatile("st.relaxed.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 // Returns the old value. Release: every write this thread made before is visible to whoever
 // acquires the new value.
 __device__ __forceinline__ int atomic_add_release_sys(int *p, int v) {

@@ -8,7 +8,7 @@ namespace epcomm {
 
 // Mirrored by epcomm.runtime.status.ErrorRecord (ctypes); keep both 32 bytes.
 struct ErrorRecord {
-    int code;   // 0 = ok, 1 = peer timeout
+    int code;   // ErrorCode below
     int op;     // epcomm.runtime.status.register_op id (a runtime Params field, not a template arg)
     int rank;   // the rank that waited
     int peer;   // the rank it waited for (-1 = unknown / local)
@@ -32,13 +32,9 @@ struct WaitContext {
         return WaitContext{err, globaltimer_ns() + timeout_ns, op, rank};
     }
 
-    // True once any block (of any kernel sharing this record) has recorded a failure.
-    // EXPENSIVE: the record is host memory, and such reads over PCIe serialise GPU-wide (~1 us
-    // each, measured on H200): never call it per warp on a hot path; keep a device-memory flag.
-    __device__ __forceinline__ bool failed() const { return ld_relaxed_sys(&err->code) != kOk; }
-
-    __device__ __noinline__ void record(int peer, int phase) const {
-        if (atomicCAS(&err->code, kOk, kPeerTimeout) == kOk) {
+    // First failure wins: elect by code, then the details.
+    __device__ __noinline__ void record(int peer, int phase, int code = kPeerTimeout) const {
+        if (atomicCAS(&err->code, kOk, code) == kOk) {
             err->op = op;
             err->rank = rank;
             err->peer = peer;
@@ -46,26 +42,11 @@ struct WaitContext {
             __threadfence_system();
         }
     }
-
-    // Spin until ready() is true. Returns false (after recording) when the deadline passes; callers
-    // then skip the rest of their work. Only the on-chip timer is polled, never the host record:
-    // every wait of a kernel shares one deadline, so all of them give up at about the same time.
-    template <class Ready>
-    __device__ __forceinline__ bool wait(int peer, int phase, Ready ready) const {
-        unsigned int spins = 0;
-        while (!ready()) {
-            if ((++spins & 1023u) == 0 && globaltimer_ns() > deadline_ns) {
-                record(peer, phase);
-                return false;
-            }
-        }
-        return true;
-    }
 };
 
 // WaitContext plus a sticky failure flag in device memory, for kernels whose waits are many and
 // hot: the host-mapped ErrorRecord is written once on failure (what the host raises from), and
-// waits poll the flag instead. Why not WaitContext::failed(): it reads host memory over PCIe, and
+// waits poll the flag instead. Why not poll the record: it is host memory, read over PCIe, and
 // such reads serialise GPU-wide at ~1.1 us each (measured on 2 x H200: 384 warps each checking it
 // once at kernel start took 420 us, the whole fixed cost of an intranode call; bench/NOTES.md). A
 // failure makes the Buffer unusable (StatusRecord.check), so the flag needs no clearing; a new
@@ -90,14 +71,7 @@ struct Guard {
     }
     // A size/config violation only the GPU can see: ErrorRecord code kDeviceCheckFailed.
     __device__ __noinline__ void violation(int peer, int phase) const {
-        ErrorRecord *err = ctx.err;
-        if (atomicCAS(&err->code, kOk, kDeviceCheckFailed) == kOk) {
-            err->op = ctx.op;
-            err->rank = ctx.rank;
-            err->peer = peer;
-            err->phase = phase;
-            __threadfence_system();
-        }
+        ctx.record(peer, phase, kDeviceCheckFailed);
         raise_flag();
     }
     // Spin until ready(); every 1024 polls check the local flag and the deadline (%globaltimer).

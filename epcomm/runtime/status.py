@@ -1,6 +1,6 @@
 """Operation names and the host-mapped error record of bounded GPU waits.
 
-Kernels wait on peers through epcomm::WaitContext (cuda_src/common/timeout.cuh). A wait that runs
+Kernels wait on peers through epcomm::Guard (cuda_src/common/timeout.cuh). A wait that runs
 out records (op, rank, peer, phase) in an ErrorRecord and the kernel winds down; the host reads the
 record with `StatusRecord.check()` and raises epcomm.errors.PeerTimeout naming them.
 
