@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .baselines import torch_moe_name
+from .intranode import calc_diff
 from .harness import (BenchContext, Case, Record, gbps, host_issue_times, low_latency_combine_bytes,
                       low_latency_dispatch_bytes)
 
@@ -106,9 +107,7 @@ class _Setting:
         ctx.check(torch.equal(count, want), f"recv_count differs from the all-gathered routing ({self.N}, {self.H}, "
                                             f"{self.K})")
         weight = (self.topk_weights * (self.topk_idx >= 0)).sum(1, keepdim=True).double()
-        ref, got = self.x.double() * weight, combined.double()
-        denominator = float((ref * ref + got * got).sum())
-        diff = 0.0 if denominator == 0 else 1 - 2 * float((ref * got).sum()) / denominator
+        diff = calc_diff(self.x.double() * weight, combined)
         ctx.check(diff < 9e-4, f"combine(dequantised dispatch) vs sum_k w_k x: calc_diff {diff:.3g} >= 9e-4")
 
 

@@ -8,7 +8,6 @@ specialisations on it. The size numbers come from the ops module that owns the b
 from __future__ import annotations
 
 import functools
-import importlib
 import operator
 from typing import Dict, Tuple
 
@@ -117,13 +116,7 @@ class Config:
         num_ranks = _positive_int("Config.get_rdma_buffer_size_hint", "num_ranks", num_ranks)
         if num_ranks <= NVLINK_DOMAIN_RANKS:
             return 0
-        try:
-            internode = importlib.import_module("epcomm.ops.internode")
-        except ModuleNotFoundError as e:
-            if e.name != "epcomm.ops.internode":
-                raise
-            raise NotImplementedError("Config.get_rdma_buffer_size_hint: internode mode (ranks over several "
-                                      "NVLink domains) is not implemented yet") from None
+        from .ops import internode
         return align_buffer_bytes(int(internode.rdma_size_hint(self, hidden_bytes, num_ranks)))
 
     def __eq__(self, other) -> bool:

@@ -13,7 +13,6 @@ x * (ranks each token reached) on the round trip.
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import List
 
@@ -26,33 +25,20 @@ from epcomm.ops import internode
 from epcomm.ops import internode_plan as plan
 from epcomm.reference import oracle
 from tests.conftest import on_all_ranks
-from tests.test_intranode_gpu import calc_diff, check, dev, make_inputs, row_diff
+from tests.test_intranode_gpu import calc_diff, check, combine_inputs, dev, make_inputs, row_diff, run_dispatch
+from tests.test_intranode_gpu import expected_dispatch as expected
 
 pytestmark = pytest.mark.gpu
 HIDDEN = 7168
 
 
-def with_env(name: str, value: str, build):
-    """build() with os.environ[name] = value, restored afterwards."""
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return build()
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
-
-
 def make_buffer(dist_env, local: int, rdma_bytes: int = 256 << 20, timeout_s: str = ""):
-    def build():
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("EPCOMM_NUM_LOCAL_RANKS", str(local))
+        if timeout_s:
+            env.setenv("EPCOMM_TIMEOUT_S", timeout_s)
         return epcomm.Buffer(dist_env.group, num_nvl_bytes=1 << 20, num_rdma_bytes=rdma_bytes,
                              explicitly_destroy=True)
-    if timeout_s:
-        return with_env("EPCOMM_NUM_LOCAL_RANKS", str(local),
-                        lambda: with_env("EPCOMM_TIMEOUT_S", timeout_s, build))
-    return with_env("EPCOMM_NUM_LOCAL_RANKS", str(local), build)
 
 
 def release(dist_env, buf, failed: bool = False) -> None:
@@ -103,24 +89,6 @@ def inputs_for(dist_env, local: int, ns, **kw):
     return out
 
 
-def run_dispatch(buf, inp, device, fp8: bool, config=None, **kw):
-    x = (dev(inp.x_fp8, device), dev(inp.scales, device)) if fp8 else dev(inp.x, device)
-    per_rank, per_node, per_expert, in_rank = (dev(t, device) for t in inp.layout)
-    return buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
-                        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                        topk_idx=dev(inp.topk_idx, device), topk_weights=dev(inp.topk_weights, device),
-                        config=config, **kw)
-
-
-def expected(inputs, rank, experts, fp8, alignment=1, num_worst_tokens=0, data=None, use_topk=True):
-    data = data or inputs
-    return oracle.dispatch([i.x_fp8 if fp8 else i.x for i in data], [i.scales for i in data] if fp8 else None,
-                           [i.topk_idx for i in inputs] if use_topk else None,
-                           [i.topk_weights for i in inputs] if use_topk else None,
-                           [i.layout[3] for i in inputs], experts, rank, alignment, num_worst_tokens,
-                           [i.layout[2] for i in inputs])
-
-
 def dispatch_errors(got, want, fp8: bool, rank: int, inputs, use_topk=True) -> List[str]:
     recv_x, recv_topk_idx, recv_topk_weights, counts, handle, _ = got
     src = want["recv_src_idx"]
@@ -141,16 +109,6 @@ def dispatch_errors(got, want, fp8: bool, rank: int, inputs, use_topk=True) -> L
             errors.append(f"num_recv_tokens_per_expert_list: got {counts}, want "
                           f"{want['num_recv_tokens_per_expert_list']}")
     return errors
-
-
-def combine_inputs(inputs, world, experts):
-    """Per rank: its oracle recv rows scaled by (rank + 1) (distinct per source), and its weights."""
-    xs, ws = [], []
-    for r in range(world):
-        want = expected(inputs, r, experts, False)
-        xs.append((want["recv_x"].float() * (r + 1)).to(torch.bfloat16))
-        ws.append(want["recv_topk_weights"])
-    return xs, ws
 
 
 def combine_errors(dist_env, buf, got, inputs, local: int, experts: int, bias=None, config=None) -> List[str]:
@@ -202,7 +160,7 @@ def test_dispatch_and_combine_match_oracle(dist_env, setup, seed, ns, hidden, to
     kw = dict(hidden=hidden, num_experts=experts, num_topk=topk, fp8=fp8, index_dtype=index_dtype)
     inputs = inputs_for(dist_env, local, ns, seed=seed, **kw)
     got = run_dispatch(buf, inputs[rank], device, fp8, config=epcomm.Config(sms), expert_alignment=alignment)
-    check(dist_env, dispatch_errors(got, expected(inputs, rank, experts, fp8, alignment), fp8, rank, inputs),
+    check(dist_env, dispatch_errors(got, expected(inputs, rank, experts, fp8, alignment=alignment), fp8, rank, inputs),
           "fresh dispatch")
 
     new_inputs = inputs_for(dist_env, local, ns, seed=seed + 100, **kw)
@@ -348,7 +306,7 @@ def test_cuda_graph_replay(dist_env, setup):
               f"graph replay seed {seed}")
 
 
-def test_sm80_feature_set(dist_env, setup):
+def test_sm80_feature_set(dist_env, setup, monkeypatch):
     """EPCOMM_ARCH=sm80: the kernels built with EPCOMM_FEATURE_SM80 on this GPU."""
     buf, local = setup
     rank, device = dist_env.rank, dist_env.device
@@ -363,7 +321,8 @@ def test_sm80_feature_set(dist_env, setup):
             errors += dispatch_errors(got, expected(inputs, rank, 64, fp8), fp8, rank, inputs)
             errors += combine_errors(dist_env, buf, got, inputs, local, 64)
         return errors
-    check(dist_env, with_env("EPCOMM_ARCH", "sm80", run), "sm80 feature set")
+    monkeypatch.setenv("EPCOMM_ARCH", "sm80")
+    check(dist_env, run(), "sm80 feature set")
 
 
 # ---- capacity and failures ------------------------------------------------------------------------

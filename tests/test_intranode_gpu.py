@@ -8,7 +8,6 @@ differing row of each output, and all ranks fail together (dist_env.all_ok).
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import List, Optional
@@ -161,8 +160,9 @@ def buffer(dist_env):
 
 def run_dispatch(buffer, inp: Inputs, device, fp8: bool, use_topk=True, config=None, **kw):
     x = (dev(inp.x_fp8, device), dev(inp.scales, device)) if fp8 else dev(inp.x, device)
-    per_rank, _, per_expert, in_rank = (dev(t, device) for t in inp.layout)
-    return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+    per_rank, per_node, per_expert, in_rank = (dev(t, device) for t in inp.layout)
+    return buffer.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                           is_token_in_rank=in_rank,
                            num_tokens_per_expert=per_expert,
                            topk_idx=dev(inp.topk_idx, device) if use_topk else None,
                            topk_weights=dev(inp.topk_weights, device) if use_topk else None,
@@ -373,30 +373,23 @@ def test_stream_options(dist_env, buffer, mode):
     check(dist_env, [f"calc_diff {diff}" if diff >= 5e-6 else ""], f"combine {mode}")
 
 
-def test_sm80_feature_set(dist_env, buffer):
+def test_sm80_feature_set(dist_env, buffer, monkeypatch):
     """EPCOMM_ARCH=sm80 selects the kernels compiled with EPCOMM_FEATURE_SM80 on this GPU."""
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
-    previous = os.environ.get("EPCOMM_ARCH")
-    os.environ["EPCOMM_ARCH"] = "sm80"
-    try:
-        from epcomm.runtime.arch import device_arch
-        feature = device_arch(device.index).feature
-        for fp8 in (False, True):
-            inputs = all_inputs(dist_env, n_by_rank((1000, 300), world), seed=71, hidden=HIDDEN, num_experts=64,
-                                num_topk=8, fp8=fp8)
-            got = run_dispatch(buffer, inputs[rank], device, fp8)
-            errors = dispatch_errors(got, expected_dispatch(inputs, rank, 64, fp8), fp8)
-            xs, ws = combine_inputs(inputs, world, 64)
-            combined, weights, _ = buffer.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device))
-            want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws)
-            errors += [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w),
-                       "" if feature == 80 else f"EPCOMM_ARCH=sm80 gave feature set {feature}"]
-            check(dist_env, errors, f"sm80 fp8={fp8}")
-    finally:
-        if previous is None:
-            os.environ.pop("EPCOMM_ARCH", None)
-        else:
-            os.environ["EPCOMM_ARCH"] = previous
+    monkeypatch.setenv("EPCOMM_ARCH", "sm80")
+    from epcomm.runtime.arch import device_arch
+    feature = device_arch(device.index).feature
+    for fp8 in (False, True):
+        inputs = all_inputs(dist_env, n_by_rank((1000, 300), world), seed=71, hidden=HIDDEN, num_experts=64,
+                            num_topk=8, fp8=fp8)
+        got = run_dispatch(buffer, inputs[rank], device, fp8)
+        errors = dispatch_errors(got, expected_dispatch(inputs, rank, 64, fp8), fp8)
+        xs, ws = combine_inputs(inputs, world, 64)
+        combined, weights, _ = buffer.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device))
+        want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws)
+        errors += [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w),
+                   "" if feature == 80 else f"EPCOMM_ARCH=sm80 gave feature set {feature}"]
+        check(dist_env, errors, f"sm80 fp8={fp8}")
 
 
 def small_buffer_bytes(world: int, ring_rows: int, num_topk: int, experts: int, sms: int) -> int:
@@ -518,21 +511,15 @@ def test_chunk_larger_than_ring_raises_before_launch(dist_env):
         buf.destroy()
 
 
-def test_peer_timeout_names_the_peer(dist_env):
+def test_peer_timeout_names_the_peer(dist_env, monkeypatch):
     """The last rank skips a dispatch: every other rank gets PeerTimeout naming it, within the
     Buffer's short timeout; the Buffer then says it is unusable and the process carries on."""
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
     if world == 1:
         pytest.skip("needs 2 or more ranks")
-    previous = os.environ.get("EPCOMM_TIMEOUT_S")
-    os.environ["EPCOMM_TIMEOUT_S"] = "3"
-    try:
+    with monkeypatch.context() as env:
+        env.setenv("EPCOMM_TIMEOUT_S", "3")
         buf = epcomm.Buffer(dist_env.group, num_nvl_bytes=hint_bytes(world), explicitly_destroy=True)
-    finally:
-        if previous is None:
-            os.environ.pop("EPCOMM_TIMEOUT_S")
-        else:
-            os.environ["EPCOMM_TIMEOUT_S"] = previous
     skipper = world - 1
     inputs = all_inputs(dist_env, n_by_rank((256,), world), seed=101, hidden=HIDDEN, num_experts=64, num_topk=8)
     # A correct call on every rank first, so the timeout below is the only thing that differs.

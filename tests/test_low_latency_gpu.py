@@ -9,7 +9,6 @@ next one. Buffers are shared per set of constructor flags and destroyed at the e
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import shutil
@@ -21,6 +20,8 @@ from typing import Dict, Optional, Tuple
 
 import pytest
 import torch
+
+from tests.test_intranode_gpu import calc_diff
 
 pytestmark = pytest.mark.gpu
 
@@ -60,6 +61,7 @@ CASES = [
     Case(64, 1024, 64, 32, (64, 40)),                # K = MAX_TOPK: a full combine record
 ]
 SMALL = Case(64, 1024, 16, 4, (64, 40))
+ALL_SHAPES = [TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES]
 
 
 # ---- inputs, buffers, comparisons ----------------------------------------------------------------
@@ -88,27 +90,7 @@ def _expert_scale(experts: torch.Tensor) -> torch.Tensor:
     return torch.pow(2.0, (experts % 3).float())
 
 
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double(), y.double()
-    denominator = (x * x + y * y).sum()
-    return 0.0 if denominator == 0 else float(1 - 2 * (x * y).sum() / denominator)
-
-
 _BUFFERS: Dict[tuple, object] = {}
-
-
-@contextlib.contextmanager
-def _env(**values):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update({k: str(v) for k, v in values.items()})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _buffer(dist_env, shapes=(TARGET,), env: Optional[dict] = None, **flags):
@@ -118,7 +100,9 @@ def _buffer(dist_env, shapes=(TARGET,), env: Optional[dict] = None, **flags):
     if key not in _BUFFERS:
         size = max(epcomm.Buffer.get_low_latency_rdma_size_hint(s["T"], s["H"], dist_env.world_size, s["E"])
                    for s in shapes)
-        with _env(**(env or {})):
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in (env or {}).items():
+                patch.setenv(name, str(value))
             _BUFFERS[key] = epcomm.Buffer(dist_env.group, num_rdma_bytes=size, low_latency_mode=True,
                                           explicitly_destroy=True, **flags)
     return _BUFFERS[key]
@@ -289,7 +273,7 @@ def _verdict(dist_env, problems, what) -> None:
 # ---- tests ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_dispatch_combine_match_oracle(dist_env, case):
-    buf = _buffer(dist_env, shapes=[TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES])
+    buf = _buffer(dist_env, shapes=ALL_SHAPES)
     if case.E % dist_env.world_size:
         pytest.skip(f"E={case.E} does not split over {dist_env.world_size} ranks")
     _verdict(dist_env, _run(dist_env, buf, case), str(case))
@@ -297,7 +281,7 @@ def test_dispatch_combine_match_oracle(dist_env, case):
 
 @pytest.mark.parametrize("mode", ["hook", "async"])
 def test_hook_and_async_modes(dist_env, mode):
-    buf = _buffer(dist_env, shapes=[TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES])
+    buf = _buffer(dist_env, shapes=ALL_SHAPES)
     problems = []
     for i, case in enumerate((FP8_TARGET, replace(FP8_TARGET, fp8=False))):
         problems += _run(dist_env, buf, case, seed=10 + i, mode=mode)
@@ -305,7 +289,7 @@ def test_hook_and_async_modes(dist_env, mode):
 
 
 def test_zero_copy_and_out(dist_env):
-    buf = _buffer(dist_env, shapes=[TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES])
+    buf = _buffer(dist_env, shapes=ALL_SHAPES)
     problems = _run(dist_env, buf, FP8_TARGET, seed=3, zero_copy=True, use_out=True)
     problems += _run(dist_env, buf, FP8_TARGET, seed=4, zero_copy=True, mode="hook", clean=False)
     _verdict(dist_env, problems, "zero-copy / out=")
@@ -313,7 +297,7 @@ def test_zero_copy_and_out(dist_env):
 
 def test_back_to_back_calls_without_clean(dist_env):
     """Many calls on alternating buffer sets, each checked: the device-side call counts stay in step."""
-    buf = _buffer(dist_env, shapes=[TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES])
+    buf = _buffer(dist_env, shapes=ALL_SHAPES)
     problems = []
     for i in range(6):
         problems += _run(dist_env, buf, replace(SMALL, fp8=bool(i % 2)), seed=20 + i, clean=i == 0,
@@ -322,7 +306,7 @@ def test_back_to_back_calls_without_clean(dist_env):
 
 
 def test_shape_change_needs_clean(dist_env):
-    buf = _buffer(dist_env, shapes=[TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES])
+    buf = _buffer(dist_env, shapes=ALL_SHAPES)
     _run(dist_env, buf, SMALL)
     other = replace(SMALL, T=32, N=(32,))
     x, topk_idx, _ = (t.to(dist_env.device) for t in _inputs(other, dist_env.rank, 0))
@@ -346,7 +330,7 @@ def test_combine_uses_its_own_weights_and_slots(dist_env):
     first and the third on the same buffer set) with new weights each, the third also with slots
     dropped (-1) after the dispatch; each bit for bit against the oracle."""
     case, rank, num_ranks, dev = FP8_TARGET, dist_env.rank, dist_env.world_size, dist_env.device
-    buf = _buffer(dist_env, shapes=[TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES])
+    buf = _buffer(dist_env, shapes=ALL_SHAPES)
     buf.clean_low_latency_buffer(case.T, case.H, case.E)
     inputs = _gather(_inputs(case, rank, 60))
     x, topk_idx, _ = (t.to(dev) for t in inputs[rank])
@@ -371,7 +355,7 @@ def test_combine_uses_its_own_weights_and_slots(dist_env):
 def test_cuda_graph_replay(dist_env):
     """Capture dispatch + combine once; replay 100 times with new inputs copied in; check each."""
     case, rank, num_ranks, dev = SMALL, dist_env.rank, dist_env.world_size, dist_env.device
-    buf = _buffer(dist_env, shapes=[TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES])
+    buf = _buffer(dist_env, shapes=ALL_SHAPES)
     buf.clean_low_latency_buffer(case.T, case.H, case.E)
     static = [t.to(dev) for t in _inputs(case, rank, 0)]
 
@@ -515,7 +499,7 @@ def test_hook_overlap(dist_env):
     take as long as alone. Both are timed warm (cuBLAS initialised, one untimed round of each first)
     and interleaved, so clocks and caches are alike; both times are reported (the evidence); only
     correctness is asserted."""
-    buf = _buffer(dist_env, shapes=[TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES])
+    buf = _buffer(dist_env, shapes=ALL_SHAPES)
     case, rank, dev = FP8_TARGET, dist_env.rank, dist_env.device
     buf.clean_low_latency_buffer(case.T, case.H, case.E)
     inputs = _gather(_inputs(case, rank, 40))
@@ -648,7 +632,7 @@ def test_sends_with_most_sms_held(dist_env, sm_holder, free_sms):
     timeout, bit for bit against the oracle. (A fused dispatch is not run here: its blocks send their
     own tokens and lists, then wait for the peer's.)"""
     case, rank, num_ranks, dev = FP8_TARGET, dist_env.rank, dist_env.world_size, dist_env.device
-    buf = _buffer(dist_env, shapes=[TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES])
+    buf = _buffer(dist_env, shapes=ALL_SHAPES)
     kernel, smem, _ = sm_holder
     if kernel.max_active_blocks_per_sm(1024, smem) != 1:
         pytest.skip("the premise does not hold on this GPU: one holder block per SM")
