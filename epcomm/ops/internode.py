@@ -30,7 +30,7 @@ G comes from Config.num_sms (internode_plan.num_chunks) and must be equal on eve
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
@@ -41,7 +41,7 @@ from ..runtime.module import get_kernel
 from ..runtime.status import register_op
 from . import internode_plan as plan
 # Argument helpers shared with the intranode launcher (same conventions for tensors and launches).
-from .intranode import _INDEX_TYPES, _aligned, _ptr
+from .intranode import _INDEX_TYPES, _aligned, _host_ints, _launch, _ptr
 
 DISPATCH_OP = register_op("internode dispatch", plan.PHASES)
 COMBINE_OP = register_op("internode combine", plan.PHASES)
@@ -109,17 +109,17 @@ def _check_notify_fits(gb, num_local_experts: int, what: str) -> None:
 # kernels take their own entry as `base` and hand addresses derived from it to NVSHMEM puts, which
 # translate them relative to the symmetric heap: so the own entry is the heap address itself
 # (buffer.ptr), whatever mapping nvshmem_ptr gives for this PE.
-_PEER_BASES: Dict[int, Tuple[object, torch.Tensor]] = {}
+_PEER_BASES: "weakref.WeakKeyDictionary[object, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
 def _peer_bases(gb) -> int:
     rdma = gb.rdma
-    entry = _PEER_BASES.get(id(rdma))
-    if entry is None or entry[0]() is not rdma:
+    table = _PEER_BASES.get(rdma)
+    if table is None:
         bases = list(rdma.peer_ptrs)
         bases[gb.rank] = rdma.ptr
-        entry = _PEER_BASES[id(rdma)] = (weakref.ref(rdma), torch.tensor(bases, dtype=torch.int64, device=gb.device))
-    return entry[1].data_ptr()
+        table = _PEER_BASES[rdma] = torch.tensor(bases, dtype=torch.int64, device=gb.device)
+    return table.data_ptr()
 
 
 def _dispatch_layout(gb, row_bytes: int, num_scales: int, num_topk: int) -> plan.DispatchLayout:
@@ -151,10 +151,6 @@ def _check_known_capacity(handle, what: str, capacity: int, rdma_bytes: int, det
     max_tokens = _host_max_tokens(handle)
     if max_tokens is not None:
         plan.check_capacity(what, max_tokens, capacity, rdma_bytes, f"{detail}; the largest N of all ranks")
-
-
-def _launch(gb, kernel, grid: int, threads: int, params) -> None:
-    kernel.launch((grid, 1, 1), (threads, 1, 1), params, torch.cuda.current_stream(gb.device_index).cuda_stream)
 
 
 # ---- dispatch --------------------------------------------------------------------------------
@@ -268,16 +264,6 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
         **{k: _ptr(v) for k, v in out.items()})
     _launch(gb, _kernel(gb, plan.notify_kernel(num_ranks, num_local)), 1, plan.NOTIFY_THREADS, params)
     return out
-
-
-def _host_ints(gb, ints: torch.Tensor) -> List[int]:
-    """The values of a device int32 tensor once the stream got there (a GPU failure recorded by
-    then raises first: PeerTimeout / DeviceCheckFailed)."""
-    pinned = torch.empty(ints.shape, dtype=torch.int32, pin_memory=True)
-    pinned.copy_(ints, non_blocking=True)   # queued on gb.device's current stream
-    torch.cuda.current_stream(gb.device_index).synchronize()
-    gb.check_errors()
-    return pinned.tolist()
 
 
 def _read_counts(gb, info, num_local_experts, expert_alignment, layout, what):

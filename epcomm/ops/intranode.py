@@ -30,10 +30,11 @@ from ..runtime.compiler import KernelSource
 from ..runtime.module import get_kernel
 from ..runtime.status import register_op
 from . import intranode_plan as plan
+from ..streams import current_stream_handle as _stream
+from .layout import _INDEX_TYPES
 
 DISPATCH_OP = register_op("intranode dispatch", plan.PHASES)
 COMBINE_OP = register_op("intranode combine", plan.PHASES)
-_INDEX_TYPES = {torch.int64: "long long", torch.int32: "int"}
 
 
 def nvl_size_hint(config, hidden_bytes: int, num_ranks: int) -> int:
@@ -182,13 +183,14 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _stream(device_index: int) -> int:
-    if _raw_stream is not None:
-        return _raw_stream(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream
+def _host_ints(gb, ints: torch.Tensor) -> List[int]:
+    """The values of a device int32 tensor once the stream got there (a GPU failure recorded by
+    then raises first: PeerTimeout / DeviceCheckFailed)."""
+    pinned = torch.empty(ints.shape, dtype=torch.int32, pin_memory=True)
+    pinned.copy_(ints, non_blocking=True)   # queued on gb.device's current stream
+    torch.cuda.current_stream(gb.device_index).synchronize()
+    gb.check_errors()
+    return pinned.tolist()
 
 
 def _launch(gb, kernel, grid: int, threads: int, params) -> None:
@@ -228,8 +230,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
             num_out_rows = num_worst_tokens
         else:
             num_out_rows, expert_counts = _read_counts(gb, info, chunks, num_local_experts,
-                                                       expert_alignment, row_bytes, num_scales,
-                                                       topk_idx, what)
+                                                       expert_alignment, geometry, what)
     else:
         rank_prefix, channel_prefix, recv_channel_prefix, recv_src, is_token_in_rank, send_head = handle
         chunks = channel_prefix.shape[1] - 1
@@ -294,24 +295,16 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
     return rank_prefix, channel_prefix, recv_channel_prefix, send_head, info
 
 
-def _read_counts(gb, info, chunks, num_local_experts, expert_alignment, row_bytes, num_scales,
-                 topk_idx, what):
+def _read_counts(gb, info, chunks, num_local_experts, expert_alignment, geometry, what):
     """Exact mode: wait for notify, read the counts; every rank reads the same rank_prefix_matrix
     and N max, so the checks below raise on all ranks alike. (Ranks with different Config.num_sms
     or num_experts were recorded by the notify kernel: check_errors raises that.)"""
     num_ranks = gb.num_ranks
-    host = torch.empty(info.shape, dtype=torch.int32, pin_memory=True)
-    host.copy_(info, non_blocking=True)   # queued on the current stream of info's device
-    torch.cuda.current_stream(gb.device_index).synchronize()
-    gb.check_errors()
-    values = host.tolist()
+    values = _host_ints(gb, info)
     rank_prefix = values[:num_ranks * num_ranks]
     experts = values[num_ranks * num_ranks:num_ranks * num_ranks + num_local_experts]
     max_tokens = values[-1]
-    num_topk = 0 if topk_idx is None else topk_idx.shape[1]
-    record = plan.dispatch_record_bytes(row_bytes, num_scales, num_topk)
-    staging = plan.dispatch_staging_offset(num_ranks, num_local_experts)
-    rows = plan.ring_rows(gb.nvl.nbytes, staging, record, num_ranks, what)
+    rows, record = geometry.rows, geometry.record
     chunk_rows = plan.tokens_per_chunk(max_tokens, chunks)
     if num_ranks > 1 and chunk_rows > rows:
         raise ValueError(f"{what}: a chunk of up to {chunk_rows} rows ({max_tokens} tokens / {chunks} "

@@ -16,6 +16,7 @@ import torch
 from ..runtime.arch import device_arch
 from ..runtime.compiler import KernelSource
 from ..runtime.module import get_kernel
+from ..streams import current_stream_handle as _current_stream
 
 THREADS = 512
 # Up to this many tokens one block does everything (no global atomics, plain launch); above it the
@@ -108,14 +109,6 @@ def _make_plan(key: tuple, topk_idx: torch.Tensor) -> _Plan:
     plan = _PLANS[key] = _Plan(kernel, smem, torch.device("cuda", device_index),
                                num_ranks // num_local_ranks, max_blocks)
     return plan
-
-
-def _public_current_stream(device_index: int) -> int:
-    return torch.cuda.current_stream(device_index).cuda_stream
-
-
-# torch's raw current-stream query (an int, no Stream object) where the build has it.
-_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _public_current_stream
 
 
 def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,

@@ -19,6 +19,7 @@ import torch
 
 from ..backend import LowLatencyDispatchResult
 from ..runtime.compiler import KernelSource
+from ..streams import current_stream_handle as _stream
 from .low_latency_layout import (MAX_TOPK, THREADS, Layout, dispatch_smem_bytes, rdma_size_hint)
 
 __all__ = ["LowLatency", "rdma_size_hint", "representative_sources", "MAX_TOPK"]
@@ -133,17 +134,7 @@ class _Plan:
         self.__dict__.update(shapes)
 
 
-# torch's raw current-stream query (an int) where the build has it; the public one otherwise.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
 _capturing = torch.cuda.is_current_stream_capturing
-
-
-def _stream(device_index: int) -> int:
-    if _raw_stream is not None:
-        return _raw_stream(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 # ---- the per-Buffer state -----------------------------------------------------------------------
