@@ -627,7 +627,15 @@ __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s
             const int e = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + lane);
             if (e >= 0 && !s.masked[e / kLocalExperts]) dst = e / kLocalExperts;
         }
-        const bool first = dst >= 0 && lane == __ffs(__match_any_sync(kAll, dst)) - 1;
+        // The first lane naming each rank waits for it. Found with shuffles, not __match_any_sync:
+        // on 2 x H200 (driver 580, CUDA 13.0) every warp of this loop stalled for good at the
+        // match (traced: no lane reached the wait after it), so no bounded wait could end it.
+        bool first = dst >= 0;
+#pragma unroll
+        for (int j = 0; j < kTopK; ++j) {
+            const int other = __shfl_sync(kAll, dst, j);
+            first = first && !(j < lane && other == dst);
+        }
         int w = kMasked;
         if (first) {
             const unsigned long long t0 = globaltimer_ns();
