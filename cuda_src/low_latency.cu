@@ -40,11 +40,11 @@
 // every token slot t < T; expert side, the row map of each (local expert, source) pair is built
 // from the handle (row_map[source][expert][token] = packed row, -1 = none; then a per-pair flag);
 // then for each (source, token) whose ids (the source's record, or this rank's own top-k) name one
-// of this rank's experts, one block sums w_k * row_k in fp32, k ascending over the local experts,
-// into the source's slot [expert rank][token]. Receive part: one block per token
-// waits for the partial sum of each rank holding one of its experts and adds them in fp32, ranks
-// ascending, then rounds to bf16, exactly as epcomm.reference.oracle.ll_combine_rows. An ack now
-// also covers the send part's reads of the records (finish_recv waits for its end).
+// of this rank's experts, one group of warps (kItemGroups per block) sums w_k * row_k in fp32, k
+// ascending over the local experts, into the source's slot [expert rank][token]. Receive part: one
+// block per token waits for the partial sum of each rank holding one of its experts and adds them
+// in fp32, ranks ascending, then rounds to bf16, exactly as epcomm.reference.oracle.ll_combine_rows.
+// An ack now also covers the send part's reads of the records (finish_recv waits for its end).
 //
 // Fault tolerance. Waits go through a Guard (common/timeout.cuh). With enable_shrink a peer that
 // times out is masked (mask[peer] = 1) and treated as sending nothing; without it the wait records a
@@ -441,18 +441,30 @@ __device__ void combine_build_map(const CombineParams &p, BlockState<kRanks> &s,
     }
 }
 
-// What one block knows about the (source, token) item it works on, and its items whose tags are
-// not sent yet.
+// What one group of warps knows about the (source, token) item it works on, its latest claim,
+// and its items whose tags are not sent yet.
 template <int kTopK> struct CombineItem {
     long long row[kTopK];   // slot k's row in x (local expert * R*T + packed row), -1 = not here / none
     float weight[kTopK];
     int state;
+    int claim;
     int pending[32];
 };
+// Groups of warps per block that take partial-sum items on their own: with one item per block a
+// block ran its items one after the other (a claim, two dependent lookups, the sum, ~15 us per
+// round at the target, bench/NOTES.md), so at N=128 (256 items on 132 blocks) the send part took
+// two rounds; two groups of 8 warps take them in one. Each group syncs on its own named barrier.
+constexpr int kItemGroups = 2;
+
+// Barrier of `threads` threads (a group of whole warps) on hardware barrier `id` (1..15; 0 is
+// __syncthreads's).
+__device__ __forceinline__ void group_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 enum ItemState { kItemSkip, kItemSend, kItemFailed };
 
-// Expert side: for each (source, token) item, one per block and claim, remote sources first, the
-// block takes the top-k ids and weights (a remote source's record, once its tag arrived; this
+// Expert side: for each (source, token) item, one per group of warps and claim (kItemGroups per
+// block), remote sources first, the group takes the top-k ids and weights (a remote source's record, once its tag arrived; this
 // rank's own topk_idx / topk_weights), looks up the rows of the local experts they name (row map)
 // and stores the partial sum sum_k w_k * row_k (fp32, k ascending) into the source's slot
 // [this rank][token] (a direct store, or the stage of a put). Every 32 items and at the end: one
@@ -460,21 +472,26 @@ enum ItemState { kItemSkip, kItemSend, kItemFailed };
 // not wait for it.
 template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT, int kThreads>
 __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks> &s, const Guard &ctx,
-                                      unsigned long long epoch, CombineItem<kTopK> &item) {
+                                      unsigned long long epoch, CombineItem<kTopK> *items) {
     constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens;
-    // Each thread sums kPerThread chunks of 8 channels (kThreads apart), kBatch top-k rows per
-    // step: 16 row loads in flight per thread.
+    // A group of kGroupThreads threads per item. Each thread sums kPerThread chunks of 8 channels
+    // (kGroupThreads apart), kBatch top-k rows per step: 16 row loads in flight per thread.
+    constexpr int kGroupThreads = kThreads / kItemGroups, kGroupWarps = kGroupThreads / 32;
+    static_assert(kThreads % (32 * kItemGroups) == 0 && kItemGroups < 16, "whole warps per group, hardware barriers 1..15");
     constexpr int kRowBytes = kHidden * 2, kChunks = kHidden / 8, kBatch = 8, kPerThread = 2;
     constexpr long long kPartialBytes = 4ll * kHidden;
     constexpr unsigned kAll = 0xffffffffu;
-    const int warp = warp_id(), lane = lane_id();
+    const int lane = lane_id(), group = warp_id() / kGroupWarps, warp = warp_id() % kGroupWarps;
+    const int tid = threadIdx.x % kGroupThreads;   // within the group
+    CombineItem<kTopK> &item = items[group];
+    auto sync = [&] { group_barrier(1 + group, kGroupThreads); };
     const bool shrink = p.enable_shrink != 0;
     auto source_of = [&](int i) { return (p.rank + 1 + i / kMaxTokens) % kRanks; };   // own tokens last
     auto direct = [&](int src) { return src == p.rank || s.peer_base[src] != 0; };
-    int pending = 0;   // block-uniform
-    auto flush = [&] {   // after a block barrier
+    int pending = 0;   // group-uniform
+    auto flush = [&] {   // after a group barrier
         if (warp == 0 && pending > 0) {
-            fence_acq_rel_sys();   // (every lane) the block's stores, ordered before this by the barrier, before tags / puts
+            fence_acq_rel_sys();   // (every lane) the group's stores, ordered before this by the barrier, before tags / puts
             if (lane < pending) {
                 const int i = item.pending[lane], src = source_of(i);
                 if (direct(src))
@@ -497,7 +514,13 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
         pending = 0;
     };
     unsigned int *counter = p.tickets + kClaimItems;
-    for (int i = claim(s, counter, 1); i < kRanks * kMaxTokens; i = claim(s, counter, 1)) {
+    auto claim_item = [&] {   // as claim(), for the group
+        sync();   // every thread has read the previous claim
+        if (tid == 0) item.claim = static_cast<int>(atomicAdd(counter, 1u));
+        sync();
+        return item.claim;
+    };
+    for (int i = claim_item(); i < kRanks * kMaxTokens; i = claim_item()) {
         const int src = source_of(i), t = i % kMaxTokens;
         if (s.masked[src]) continue;
         if (warp == 0) {
@@ -543,14 +566,14 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
             local = __any_sync(kAll, local);
             if (lane == 0) item.state = failed ? kItemFailed : local ? kItemSend : kItemSkip;
         }
-        __syncthreads();
+        sync();
         const int state = item.state;
-        if (state == kItemFailed) break;   // block-uniform; the failure is recorded, the kernel winds down
+        if (state == kItemFailed) break;   // group-uniform; the failure is recorded, the kernel winds down
         if (state == kItemSend) {
             const long long slot = static_cast<long long>(p.rank) * kMaxTokens + t;
             char *dst = direct(src) ? on_peer(p.heap, s.peer_base, p.rank, src, p.partials + slot * kPartialBytes)
                                     : p.partial_stage + (static_cast<long long>(src) * kMaxTokens + t) * kPartialBytes;
-            for (int c0 = threadIdx.x; c0 < kChunks; c0 += kPerThread * kThreads) {
+            for (int c0 = tid; c0 < kChunks; c0 += kPerThread * kGroupThreads) {
                 float acc[kPerThread][8];
 #pragma unroll
                 for (int q = 0; q < kPerThread; ++q)
@@ -561,7 +584,7 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
                     int4 v[kPerThread][kBatch];
 #pragma unroll
                     for (int q = 0; q < kPerThread; ++q) {
-                        const int c = c0 + q * kThreads;
+                        const int c = c0 + q * kGroupThreads;
 #pragma unroll
                         for (int b = 0; b < kBatch; ++b) {
                             const int k = k0 + b;
@@ -589,7 +612,7 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
                 }
 #pragma unroll
                 for (int q = 0; q < kPerThread; ++q) {
-                    const int c = c0 + q * kThreads;
+                    const int c = c0 + q * kGroupThreads;
                     if (c >= kChunks) break;
                     int4 *out = reinterpret_cast<int4 *>(dst + 32ll * c);
                     st_cg_v4(out, make_int4(__float_as_int(acc[q][0]), __float_as_int(acc[q][1]), __float_as_int(acc[q][2]),
@@ -598,10 +621,10 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
                                                 __float_as_int(acc[q][7])));
                 }
             }
-            if (threadIdx.x == 0) item.pending[pending] = i;
+            if (tid == 0) item.pending[pending] = i;
             ++pending;
         }
-        __syncthreads();   // the item table is rewritten next; the pending list before a flush
+        sync();   // the item table is rewritten next; the pending list before a flush
         if (pending == 32) flush();
     }
     flush();
@@ -709,7 +732,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     static_assert(kHidden % 8 == 0 && kTopK >= 1 && kTopK <= 32 && 8 * kTopK <= kRecordBytes,
                   "hidden % 8 == 0, 1 <= top-k <= 32");
     __shared__ BlockState<kRanks> s;
-    __shared__ CombineItem<kTopK> item;
+    __shared__ CombineItem<kTopK> items[kItemGroups];
     __shared__ int ranks[kThreads / 32][32];
     const Guard ctx = Guard::make(p.failed, p.err, p.timeout_ns, p.op, p.rank);
     if (p.phases & kSend) {
@@ -719,7 +742,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
         if (!s.abort) {   // block-uniform: every claim below is taken by the whole block
             combine_send_records<kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, epoch);
             combine_build_map<kHidden, kRanks, kExperts, kMaxTokens, kThreads>(p, s, epoch);
-            combine_send_partials<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, item);
+            combine_send_partials<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, items);
         }
         finish_send<kRanks, kThreads / 32, true>(s, p.tickets, p.epochs, epoch);
     } else {
