@@ -72,7 +72,7 @@ class GpuBackend(Backend):
         self.low_latency_mode = bool(low_latency_mode)
         self.options = dict(options)
         self.timeout_ns = int(env.timeout_s() * 1e9)
-        self.nvl = self.rdma = self._ll = None
+        self.nvl = self.rdma = self._ll = self._normal_ops = None
 
         local_error, status, forced_local_ranks = None, None, None
         try:
@@ -179,15 +179,19 @@ class GpuBackend(Backend):
     def get_dispatch_layout(self, topk_idx, num_experts):
         self._require_usable()
         from .ops import layout
-        return layout.get_dispatch_layout(topk_idx, num_experts, self.num_ranks, self.num_local_ranks)
+        return layout.get_dispatch_layout(topk_idx, num_experts, self.num_ranks, self.num_local_ranks,
+                                          self.arch.feature)
 
     def _normal_mode(self):
         self._require_usable()
-        if self.num_ranks > self.num_local_ranks:
-            from .ops import internode
-            return internode
-        from .ops import intranode
-        return intranode
+        ops = self._normal_ops
+        if ops is None:   # imported once: an import statement per call costs ~1 us
+            if self.num_ranks > self.num_local_ranks:
+                from .ops import internode as ops
+            else:
+                from .ops import intranode as ops
+            self._normal_ops = ops
+        return ops
 
     def dispatch(self, *args, **kwargs):
         return self._normal_mode().dispatch(self, *args, **kwargs)

@@ -32,11 +32,13 @@ pytestmark = pytest.mark.gpu
 HIDDEN = 7168
 
 
-def make_buffer(dist_env, local: int, rdma_bytes: int = 256 << 20, timeout_s: str = ""):
+def make_buffer(dist_env, local: int, rdma_bytes: int = 256 << 20, timeout_s: str = "", arch: str = ""):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("EPCOMM_NUM_LOCAL_RANKS", str(local))
         if timeout_s:
             env.setenv("EPCOMM_TIMEOUT_S", timeout_s)
+        if arch:
+            env.setenv("EPCOMM_ARCH", arch)
         return epcomm.Buffer(dist_env.group, num_nvl_bytes=1 << 20, num_rdma_bytes=rdma_bytes,
                              explicitly_destroy=True)
 
@@ -307,22 +309,31 @@ def test_cuda_graph_replay(dist_env, setup):
 
 
 def test_sm80_feature_set(dist_env, setup, monkeypatch):
-    """EPCOMM_ARCH=sm80: the kernels built with EPCOMM_FEATURE_SM80 on this GPU."""
-    buf, local = setup
+    """A Buffer created under EPCOMM_ARCH=sm80 (read at construction) runs the kernels built with
+    EPCOMM_FEATURE_SM80 on this GPU, and they are exact."""
+    from epcomm.ops import internode
+    _, local = setup
     rank, device = dist_env.rank, dist_env.device
+    features = set()
+    get_kernel = internode.get_kernel
 
-    def run():
-        from epcomm.runtime.arch import device_arch
-        errors = ["" if device_arch(device.index).feature == 80 else "EPCOMM_ARCH=sm80 was not applied"]
+    def recording_get_kernel(src, kernel, device_index, feature):
+        features.add(feature)
+        return get_kernel(src, kernel, device_index, feature)
+    monkeypatch.setattr(internode, "get_kernel", recording_get_kernel)
+    buf = make_buffer(dist_env, local, rdma_bytes=1 << 30, arch="sm80")
+    try:
+        errors = []
         for fp8 in (False, True):
             inputs = inputs_for(dist_env, local, (1000, 300), seed=71, hidden=HIDDEN, num_experts=64, num_topk=8,
                                 fp8=fp8)
             got = run_dispatch(buf, inputs[rank], device, fp8)
             errors += dispatch_errors(got, expected(inputs, rank, 64, fp8), fp8, rank, inputs)
             errors += combine_errors(dist_env, buf, got, inputs, local, 64)
-        return errors
-    monkeypatch.setenv("EPCOMM_ARCH", "sm80")
-    check(dist_env, run(), "sm80 feature set")
+        errors += [] if features == {80} else [f"the kernels were looked up for feature sets {features}"]
+        check(dist_env, errors, "sm80 feature set")
+    finally:
+        release(dist_env, buf)
 
 
 # ---- capacity and failures ------------------------------------------------------------------------

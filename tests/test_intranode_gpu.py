@@ -373,23 +373,33 @@ def test_stream_options(dist_env, buffer, mode):
     check(dist_env, [f"calc_diff {diff}" if diff >= 5e-6 else ""], f"combine {mode}")
 
 
-def test_sm80_feature_set(dist_env, buffer, monkeypatch):
-    """EPCOMM_ARCH=sm80 selects the kernels compiled with EPCOMM_FEATURE_SM80 on this GPU."""
+def test_sm80_feature_set(dist_env):
+    """A Buffer created under EPCOMM_ARCH=sm80 runs the kernels compiled with EPCOMM_FEATURE_SM80 on
+    this GPU (the variable is read at construction), and they are exact."""
+    from epcomm.ops import intranode
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
-    monkeypatch.setenv("EPCOMM_ARCH", "sm80")
-    from epcomm.runtime.arch import device_arch
-    feature = device_arch(device.index).feature
-    for fp8 in (False, True):
-        inputs = all_inputs(dist_env, n_by_rank((1000, 300), world), seed=71, hidden=HIDDEN, num_experts=64,
-                            num_topk=8, fp8=fp8)
-        got = run_dispatch(buffer, inputs[rank], device, fp8)
-        errors = dispatch_errors(got, expected_dispatch(inputs, rank, 64, fp8), fp8)
-        xs, ws = combine_inputs(inputs, world, 64)
-        combined, weights, _ = buffer.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device))
-        want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws)
-        errors += [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w),
-                   "" if feature == 80 else f"EPCOMM_ARCH=sm80 gave feature set {feature}"]
-        check(dist_env, errors, f"sm80 fp8={fp8}")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("EPCOMM_ARCH", "sm80")
+        buffer = epcomm.Buffer(dist_env.group, num_nvl_bytes=hint_bytes(world), explicitly_destroy=True)
+    try:
+        for fp8 in (False, True):
+            inputs = all_inputs(dist_env, n_by_rank((1000, 300), world), seed=71, hidden=HIDDEN, num_experts=64,
+                                num_topk=8, fp8=fp8)
+            got = run_dispatch(buffer, inputs[rank], device, fp8)
+            errors = dispatch_errors(got, expected_dispatch(inputs, rank, 64, fp8), fp8)
+            xs, ws = combine_inputs(inputs, world, 64)
+            combined, weights, _ = buffer.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device))
+            want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws)
+            errors += [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w)]
+            check(dist_env, errors, f"sm80 fp8={fp8}")
+        # launch geometries are keyed by (op, id of the NVL buffer, SMs, feature set, ...)
+        features = {key[3] for key in intranode._GEOMETRY if key[1] == id(buffer._backend.nvl)}
+        check(dist_env, [] if features == {80} else [f"this Buffer's kernels used feature sets {features}"],
+              "sm80 builds used")
+    finally:
+        torch.cuda.synchronize()
+        dist_env.barrier()
+        buffer.destroy()
 
 
 def small_buffer_bytes(world: int, ring_rows: int, num_topk: int, experts: int, sms: int) -> int:

@@ -35,7 +35,6 @@ from typing import List, Optional
 import torch
 
 from ..backend import DispatchResult
-from ..runtime.arch import device_arch
 from ..runtime.compiler import KernelSource
 from ..runtime.module import get_kernel
 from ..runtime.status import register_op
@@ -68,8 +67,8 @@ def _source(name: str) -> KernelSource:
 
 
 def _kernel(gb, name: str):
-    """The kernel for the device's feature set, read per call so EPCOMM_ARCH=sm80 can be set late."""
-    return get_kernel(_source(name), 0, gb.device_index, device_arch(gb.device_index).feature)
+    """The kernel for the Buffer's feature set (gb.arch: EPCOMM_ARCH as it was at construction)."""
+    return get_kernel(_source(name), 0, gb.device_index, gb.arch.feature)
 
 
 # ---- checks ----------------------------------------------------------------------------------

@@ -18,14 +18,13 @@ G comes from Config.num_sms (intranode_plan.num_chunks) and must be equal on eve
 """
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .. import env
 from ..backend import DispatchResult
-from ..runtime.arch import device_arch
 from ..runtime.compiler import KernelSource
 from ..runtime.module import get_kernel
 from ..runtime.status import register_op
@@ -58,8 +57,8 @@ def _source(name: str, trace: bool = False) -> KernelSource:
 
 
 def _kernel(gb, name: str, trace: bool):
-    """The kernel for the device's feature set, read per call so EPCOMM_ARCH=sm80 can be set late."""
-    return get_kernel(_source(name, trace), 0, gb.device_index, device_arch(gb.device_index).feature)
+    """The kernel for the Buffer's feature set (gb.arch: EPCOMM_ARCH as it was at construction)."""
+    return get_kernel(_source(name, trace), 0, gb.device_index, gb.arch.feature)
 
 
 # ---- profiling mode (EPCOMM_INTRANODE_TRACE=1) -----------------------------------------------
@@ -67,7 +66,7 @@ def _kernel(gb, name: str, trace: bool):
 # buffer (slots: intranode_plan.TRACE_SLOTS); last_trace() returns the latest launch's stamps.
 # The environment is read once, at import (a read per call costs ~2.5 us); set_tracing switches.
 _TRACE: Dict[int, Tuple[torch.Tensor, int]] = {}   # device index -> (buffer, blocks of the last launch)
-_tracing_on = os.environ.get("EPCOMM_INTRANODE_TRACE", "0") == "1"
+_tracing_on = env.intranode_trace()
 
 
 def set_tracing(on: bool) -> None:
@@ -121,14 +120,18 @@ def _prepare(gb, config, what: str) -> None:
 class _Geometry:
     """What a launch needs besides the tensors, for one (NVL buffer, kernel, SMs) combination:
     checked and looked up once, then reused call after call (the host path is the whole cost of
-    a small call)."""
-    __slots__ = ("owner", "kernel", "blocks", "send_blocks", "staging", "record", "rows", "peer_bases")
+    a small call). `params` is the kernel's Params with the fields that never change for this
+    geometry already set; a call sets the rest and launches it (the launch copies the struct, so
+    one object serves every call)."""
+    __slots__ = ("owner", "kernel", "blocks", "send_blocks", "staging", "record", "rows", "params")
 
-    def __init__(self, nvl, kernel, split, staging: int, record: int, rows: int):
+    def __init__(self, gb, nvl, kernel, split, staging: int, record: int, rows: int, params_type, op: int):
         self.owner = weakref.ref(nvl)   # keys hold id(nvl): an entry is valid for that object only
         self.kernel, self.blocks, self.send_blocks = kernel, split.blocks, split.send_blocks
         self.staging, self.record, self.rows = staging, record, rows
-        self.peer_bases = nvl.peer_table.data_ptr()
+        self.params = params_type(peer_bases=nvl.peer_table.data_ptr(), err=gb.status.device_ptr,
+                                  timeout_ns=gb.timeout_ns, staging_offset=staging, ring_rows=rows,
+                                  record_bytes=record, rank=gb.rank, num_send_blocks=split.send_blocks, op=op)
 
 
 _GEOMETRY: Dict[tuple, _Geometry] = {}
@@ -146,7 +149,7 @@ def _geometry(gb, config, key: tuple, build) -> _Geometry:
 def _dispatch_geometry(gb, config, row_bytes: int, num_scales: int, num_topk: int,
                        index_type: str, num_local_experts: int, fresh: bool, trace: bool) -> _Geometry:
     num_ranks, num_sms = gb.num_ranks, config.num_sms
-    key = ("dispatch", id(gb.nvl), num_sms, device_arch(gb.device_index).feature, row_bytes,
+    key = ("dispatch", id(gb.nvl), num_sms, gb.arch.feature, row_bytes,
            num_scales, num_topk, index_type, num_local_experts, fresh, trace)
 
     def build(nvl):
@@ -155,22 +158,23 @@ def _dispatch_geometry(gb, config, row_bytes: int, num_scales: int, num_topk: in
         record = plan.dispatch_record_bytes(row_bytes, num_scales, num_topk)
         rows = plan.ring_rows(nvl.nbytes, staging, record, num_ranks, "dispatch")
         name = plan.dispatch_kernel(num_ranks, row_bytes, num_scales, index_type, fresh)
-        return _Geometry(nvl, _kernel(gb, name, trace), plan.dispatch_split(num_sms, num_ranks),
-                         staging, record, rows)
+        return _Geometry(gb, nvl, _kernel(gb, name, trace), plan.dispatch_split(num_sms, num_ranks),
+                         staging, record, rows, plan.DispatchParams, DISPATCH_OP)
     return _geometry(gb, config, key, build)
 
 
 def _combine_geometry(gb, config, row_bytes: int, num_topk: int, trace: bool) -> _Geometry:
     num_ranks, num_sms = gb.num_ranks, config.num_sms
-    key = ("combine", id(gb.nvl), num_sms, device_arch(gb.device_index).feature, row_bytes,
+    key = ("combine", id(gb.nvl), num_sms, gb.arch.feature, row_bytes,
            num_topk, trace)
 
     def build(nvl):
         staging = plan.combine_staging_offset(num_ranks)
         record = plan.combine_record_bytes(row_bytes, num_topk)
         rows = plan.ring_rows(nvl.nbytes, staging, record, num_ranks, "combine")
-        return _Geometry(nvl, _kernel(gb, plan.combine_kernel(num_ranks, row_bytes), trace),
-                         plan.combine_split(num_sms, num_ranks), staging, record, rows)
+        return _Geometry(gb, nvl, _kernel(gb, plan.combine_kernel(num_ranks, row_bytes), trace),
+                         plan.combine_split(num_sms, num_ranks), staging, record, rows, plan.CombineParams,
+                         COMBINE_OP)
     return _geometry(gb, config, key, build)
 
 
@@ -249,22 +253,17 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
             recv_topk_idx = torch.empty((num_out_rows, num_topk), dtype=topk_idx.dtype, device=device)
             recv_topk_weights = torch.empty((num_out_rows, num_topk), dtype=torch.float32, device=device)
 
-    params = plan.DispatchParams(
-        x=_ptr(x), x_scales=_ptr(x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
-        rank_prefix=rank_prefix.data_ptr(), channel_prefix=channel_prefix.data_ptr(),
-        recv_channel_prefix=recv_channel_prefix.data_ptr(), send_head=_ptr(send_head),
-        recv_x=_ptr(recv_x), recv_x_scales=_ptr(recv_scales), recv_topk_idx=_ptr(recv_topk_idx),
-        recv_topk_weights=_ptr(recv_topk_weights), recv_src_idx=_ptr(recv_src_idx),
-        peer_bases=geometry.peer_bases, err=gb.status.device_ptr,
-        scale_stride_token=x_scales.stride(0) if x_scales is not None else 0,
-        scale_stride_group=x_scales.stride(1) if x_scales is not None else 0,
-        timeout_ns=gb.timeout_ns, staging_offset=geometry.staging, ring_rows=geometry.rows,
-        record_bytes=geometry.record, num_tokens=num_tokens, num_chunks=chunks,
-        tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks), num_topk=num_topk,
-        num_local_experts=num_local_experts, num_out_rows=num_out_rows, rank=gb.rank,
-        num_send_blocks=geometry.send_blocks, op=DISPATCH_OP,
-        trace=_trace_buffer(device, gb.device_index, geometry.blocks) if trace else 0)
-    _launch(gb, geometry.kernel, geometry.blocks, plan.THREADS, params)
+    p = geometry.params
+    p.x, p.x_scales, p.topk_idx, p.topk_weights = _ptr(x), _ptr(x_scales), _ptr(topk_idx), _ptr(topk_weights)
+    p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
+    p.recv_channel_prefix, p.send_head = recv_channel_prefix.data_ptr(), _ptr(send_head)
+    p.recv_x, p.recv_x_scales, p.recv_src_idx = _ptr(recv_x), _ptr(recv_scales), _ptr(recv_src_idx)
+    p.recv_topk_idx, p.recv_topk_weights = _ptr(recv_topk_idx), _ptr(recv_topk_weights)
+    p.scale_stride_token, p.scale_stride_group = x_scales.stride() if x_scales is not None else (0, 0)
+    p.num_tokens, p.num_chunks, p.tokens_per_chunk = num_tokens, chunks, plan.tokens_per_chunk(num_tokens, chunks)
+    p.num_topk, p.num_local_experts, p.num_out_rows = num_topk, num_local_experts, num_out_rows
+    p.trace = _trace_buffer(device, gb.device_index, geometry.blocks) if trace else 0
+    _launch(gb, geometry.kernel, geometry.blocks, plan.THREADS, p)
 
     if not fresh:
         return DispatchResult(recv_x, recv_scales, None, None, None, None)
@@ -332,16 +331,13 @@ def combine(gb, x, handle, topk_weights, bias, config):
     combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
     combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device) \
         if num_topk else None
-    params = plan.CombineParams(
-        x=_ptr(x), topk_weights=_ptr(topk_weights), bias0=_ptr(bias0), bias1=_ptr(bias1),
-        rank_prefix=rank_prefix.data_ptr(), channel_prefix=channel_prefix.data_ptr(),
-        recv_channel_prefix=recv_channel_prefix.data_ptr(), send_head=_ptr(send_head),
-        combined_x=_ptr(combined_x), combined_weights=_ptr(combined_weights),
-        peer_bases=geometry.peer_bases, err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
-        staging_offset=geometry.staging, ring_rows=geometry.rows, record_bytes=geometry.record,
-        num_tokens=num_tokens, num_chunks=chunks,
-        tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks), num_topk=num_topk,
-        rank=gb.rank, num_send_blocks=geometry.send_blocks, op=COMBINE_OP,
-        trace=_trace_buffer(device, gb.device_index, geometry.blocks) if trace else 0)
-    _launch(gb, geometry.kernel, geometry.blocks, plan.THREADS, params)
+    p = geometry.params
+    p.x, p.topk_weights, p.bias0, p.bias1 = _ptr(x), _ptr(topk_weights), _ptr(bias0), _ptr(bias1)
+    p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
+    p.recv_channel_prefix, p.send_head = recv_channel_prefix.data_ptr(), _ptr(send_head)
+    p.combined_x, p.combined_weights = _ptr(combined_x), _ptr(combined_weights)
+    p.num_tokens, p.num_chunks, p.tokens_per_chunk = num_tokens, chunks, plan.tokens_per_chunk(num_tokens, chunks)
+    p.num_topk = num_topk
+    p.trace = _trace_buffer(device, gb.device_index, geometry.blocks) if trace else 0
+    _launch(gb, geometry.kernel, geometry.blocks, plan.THREADS, p)
     return combined_x, combined_weights
