@@ -89,8 +89,9 @@ struct DispatchParams {
     int enable_shrink;                 // mask a peer that times out instead of failing
     int op;                            // epcomm.runtime.status op id
     int pad;
+    unsigned long long *trace;         // [blocks][warps][kTraceSlots] in EPCOMM_LL_TRACE builds, else null
 };
-static_assert(sizeof(DispatchParams) == 224, "mirrored by epcomm.ops.low_latency.DispatchParams");
+static_assert(sizeof(DispatchParams) == 232, "mirrored by epcomm.ops.low_latency.DispatchParams");
 
 struct CombineParams {
     const void *x;                     // [E_l, R*T, H] bf16
@@ -123,8 +124,9 @@ struct CombineParams {
     int use_nvlink;
     int enable_shrink;
     int op;
+    unsigned long long *trace;         // [blocks][warps][kTraceSlots] in EPCOMM_LL_TRACE builds, else null
 };
-static_assert(sizeof(CombineParams) == 216, "mirrored by epcomm.ops.low_latency.CombineParams");
+static_assert(sizeof(CombineParams) == 224, "mirrored by epcomm.ops.low_latency.CombineParams");
 // A combine top-k record: K expert ids (i32), then K weights (f32); sized for MAX_TOPK = 32.
 constexpr int kRecordBytes = 256;
 // epcomm.ops.low_latency.COMBINE_PHASES
@@ -166,6 +168,7 @@ __device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, co
     int expert;
     load_round(first_round, expert);
     wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);   // ends with __syncthreads
+    trace_stamp(p.trace, kTrReleased);
     if (s.abort) return;
     for (int first = first_round; first < p.num_tokens; first += token_stride) {
         if (first != first_round) {
@@ -204,6 +207,7 @@ __device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, co
         }
     }
 
+    trace_stamp(p.trace, kTrSendA);
     // Token lists, one expert per warp, the warps without messages first. Each warp then ends the
     // send part on its own (finish_send) and, in a fused launch, starts receiving.
     const int total = kWarps * gridDim.x;
@@ -258,6 +262,7 @@ __device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, co
                                             reinterpret_cast<uint64_t *>(local_tag), epoch, NVSHMEM_SIGNAL_SET, dst);
         }
     }
+    trace_stamp(p.trace, kTrSendB);
 }
 
 template <int kHidden, int kRanks, int kExperts, int kMaxTokens, bool kFP8, bool kUE8M0, int kThreads>
@@ -293,6 +298,7 @@ __device__ void dispatch_recv(const DispatchParams &p, const BlockState<kRanks> 
                 atomicAdd(reinterpret_cast<unsigned long long *>(p.wait_recv_cost_stats) + src, waited);
         }
         if (__any_sync(kAll, failed)) return;
+        if (pair == split.p0) trace_stamp(p.trace, kTrRecvReady);
         __syncwarp();   // the lanes' acquires before every lane reads the list
         if (split.j0 == 0 && lane == 0) {
             p.recv_layout_range[pair] = (static_cast<long long>(begin) << 32) | count;
@@ -328,18 +334,23 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     extern __shared__ __align__(16) char smem[];
     __shared__ BlockState<kRanks> s;
     const Guard ctx = Guard::make(p.failed, p.err, p.timeout_ns, p.op, p.rank);
+    trace_stamp(p.trace, kTrStart);
     if (p.phases & kSend) {
         const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
         dispatch_send<kHidden, kTopK, kRanks, kExperts, kMaxTokens, kFP8, kRoundScale, TopkT, kThreads>(p, s, ctx, epoch, smem);
         finish_send<kRanks, kThreads / 32, false>(s, p.tickets, p.epochs, epoch);   // per warp: see dispatch_send's end
+        trace_stamp(p.trace, kTrSendDone);
     } else {
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     }
     if (p.phases & kRecv) {
         const unsigned long long epoch = ld_volatile(p.epochs + 1) + 1;
+        trace_stamp(p.trace, kTrRecvStart);
         dispatch_recv<kHidden, kRanks, kExperts, kMaxTokens, kFP8, kUE8M0, kThreads>(p, s, ctx, epoch);
+        trace_stamp(p.trace, kTrRecvDone);
         finish_recv(s, ctx, p.tickets + kTicketRecv, p.epochs + 1, epoch, nullptr, 0, p.acks, p.mask, p.heap, p.rank);
+        trace_stamp(p.trace, kTrEnd);
     }
 }
 
@@ -668,6 +679,7 @@ __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s
                 atomicAdd(reinterpret_cast<unsigned long long *>(p.wait_recv_cost_stats) + dst, globaltimer_ns() - t0);
         }
         if (__any_sync(kAll, w == kFailed)) return;
+        if (t == blockIdx.x) trace_stamp(p.trace, kTrRecvReady);
         const unsigned ready = __ballot_sync(kAll, first && w == kReady);
         int position = 0;   // among the ready ranks, ascending
         for (int j = 0; j < 32; ++j) {
@@ -735,23 +747,32 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     __shared__ CombineItem<kTopK> items[kItemGroups];
     __shared__ int ranks[kThreads / 32][32];
     const Guard ctx = Guard::make(p.failed, p.err, p.timeout_ns, p.op, p.rank);
+    trace_stamp(p.trace, kTrStart);
     if (p.phases & kSend) {
         const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
         wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);
+        trace_stamp(p.trace, kTrReleased);
         if (!s.abort) {   // block-uniform: every claim below is taken by the whole block
             combine_send_records<kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, epoch);
+            trace_stamp(p.trace, kTrSendA);
             combine_build_map<kHidden, kRanks, kExperts, kMaxTokens, kThreads>(p, s, epoch);
+            trace_stamp(p.trace, kTrSendB);
             combine_send_partials<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, items);
+            trace_stamp(p.trace, kTrSendC);
         }
         finish_send<kRanks, kThreads / 32, true>(s, p.tickets, p.epochs, epoch);
+        trace_stamp(p.trace, kTrSendDone);
     } else {
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     }
     if (p.phases & kRecv) {
         const unsigned long long epoch = ld_volatile(p.epochs + 1) + 1;
+        trace_stamp(p.trace, kTrRecvStart);
         combine_recv<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, ranks);
+        trace_stamp(p.trace, kTrRecvDone);
         finish_recv(s, ctx, p.tickets + kTicketRecv, p.epochs + 1, epoch, p.epochs, kPhaseSendEnd, p.acks, p.mask, p.heap, p.rank);
+        trace_stamp(p.trace, kTrEnd);
     }
 }
 

@@ -96,6 +96,32 @@ __device__ __forceinline__ char *on_peer(char *heap, const long long *bases, int
     return dst == rank ? const_cast<char *>(l) : reinterpret_cast<char *>(bases[dst]) + (l - heap);
 }
 
+// ---- trace (profiling builds only: -DEPCOMM_LL_TRACE, see epcomm/ops/low_latency.py) ----------
+// Lane 0 of every warp writes %globaltimer stamps into its row [block][warp][kTraceSlots] of
+// Params::trace; the slot meanings are TRACE_SLOTS in epcomm/ops/low_latency.py. Compiled out
+// otherwise (and a null trace pointer writes nothing).
+#ifdef EPCOMM_LL_TRACE
+constexpr bool kTrace = true;
+#else
+constexpr bool kTrace = false;
+#endif
+constexpr int kTraceSlots = 10;
+// Dispatch: start, released, messages sent, lists sent, send part done, receive start, first
+// pair's lists ready, receive copies done, end. Combine: start, released, records sent, row maps
+// built, items done, send part done, receive start, first token's partials ready, receive done,
+// end (slot numbers below; unused slots stay 0).
+enum TraceSlot : int {
+    kTrStart = 0, kTrReleased = 1, kTrSendA = 2, kTrSendB = 3, kTrSendC = 4, kTrSendDone = 5,
+    kTrRecvStart = 6, kTrRecvReady = 7, kTrRecvDone = 8, kTrEnd = 9
+};
+__device__ __forceinline__ void trace_stamp(unsigned long long *trace, int slot) {
+    if constexpr (kTrace) {
+        if (trace != nullptr && lane_id() == 0)
+            trace[(static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + warp_id()) * kTraceSlots + slot] =
+                globaltimer_ns();
+    }
+}
+
 enum Wait { kReady, kMasked, kFailed };
 
 // Bounded spin on a 64-bit tag. Polls are relaxed loads: an acquire load per poll compiles to a

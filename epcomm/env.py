@@ -4,7 +4,7 @@ Knob                      default              meaning
 EPCOMM_BACKEND            auto                 auto: CPU reference backend for a gloo group, GPU otherwise;
                                                cpu / gpu force one.
 EPCOMM_ARCH               (detected)           sm80 / sm90: feature set for the JIT (sm80 on an H200 tests
-                                               the Ampere path).
+                                               the Ampere path); a Buffer reads it when it is created.
 EPCOMM_CACHE_DIR          ~/.cache/epcomm      where compiled cubins are cached.
 EPCOMM_TIMEOUT_S          20                   bound of every GPU wait on a peer, seconds.
 EPCOMM_NVSHMEM_HOME       (nvidia-nvshmem wheel) root of an NVSHMEM install (include/, lib/).
@@ -19,6 +19,9 @@ EPCOMM_NUM_LOCAL_RANKS    (from host names)    ranks per node (NVLink domain); m
                                                be equal on every rank. Fewer than the ranks of a host make
                                                it several "nodes" that talk through NVSHMEM puts (e.g. 1 on
                                                a 2-GPU host tests internode mode).
+EPCOMM_INTRANODE_TRACE    0                    1: intranode kernels built to stamp their phases (profiling;
+                                               read at import; bench/intranode_trace.py).
+EPCOMM_LL_TRACE           0                    1: the same for the low-latency kernels (bench/low_latency_trace.py).
 """
 from __future__ import annotations
 
@@ -95,6 +98,14 @@ def jit_lineinfo() -> bool:
 
 def assert_no_compile() -> bool:
     return _flag("EPCOMM_ASSERT_NO_COMPILE")
+
+
+def intranode_trace() -> bool:
+    return _flag("EPCOMM_INTRANODE_TRACE")
+
+
+def ll_trace() -> bool:
+    return _flag("EPCOMM_LL_TRACE")
 
 
 def num_local_ranks() -> Optional[int]:

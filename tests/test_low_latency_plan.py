@@ -32,9 +32,14 @@ def test_params_mirror_cpp(struct, mirror):
 
 
 def test_shapes_mirror_cpp():
-    """message_bytes / dispatch_smem_bytes equal the kernel's Message / DispatchShape constants."""
+    """message_bytes / dispatch_smem_bytes equal the kernel's Message / DispatchShape constants, and
+    TRACE_SLOTS names the kernels' trace slots in order."""
     lines = ['#include "low_latency.cu"',
-             f'static_assert(4 * epcomm::ll::kCounters == {lay.TICKET_BYTES}, "per-set u32 counters");']
+             f'static_assert(4 * epcomm::ll::kCounters == {lay.TICKET_BYTES}, "per-set u32 counters");',
+             f'static_assert(epcomm::ll::kTraceSlots == {len(ll.TRACE_SLOTS)}, "trace slots");']
+    for i, name in enumerate(ll.TRACE_SLOTS):   # "send_a" -> kTrSendA
+        enum = "kTr" + "".join(part.capitalize() for part in name.split("_"))
+        lines.append(f'static_assert(epcomm::ll::{enum} == {i}, "trace slot {name}");')
     for hidden, topk, fp8 in itertools.product((128, 1032 * 8, 2176, 7168, 8192, 32768), (1, 4, 8, 9, 16, 32),
                                                (True, False)):
         if fp8 and hidden % 128:

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .. import env
 from ..backend import LowLatencyDispatchResult
 from ..runtime.compiler import KernelSource
 from ..streams import current_stream_handle as _stream
@@ -48,7 +49,7 @@ class DispatchParams(ctypes.Structure):
                 ("message_stage", _P), ("list_stage", _P), ("err", _P), ("timeout_ns", ctypes.c_uint64),
                 ("num_tokens", ctypes.c_int), ("rank", ctypes.c_int), ("phases", ctypes.c_int),
                 ("use_nvlink", ctypes.c_int), ("stage_for_puts", ctypes.c_int), ("enable_shrink", ctypes.c_int),
-                ("op", ctypes.c_int), ("pad", ctypes.c_int)]
+                ("op", ctypes.c_int), ("pad", ctypes.c_int), ("trace", _P)]
 
 
 class CombineParams(ctypes.Structure):
@@ -59,24 +60,70 @@ class CombineParams(ctypes.Structure):
                 ("record_stage", _P), ("partial_stage", _P), ("row_map", _P), ("err", _P),
                 ("timeout_ns", ctypes.c_uint64),
                 ("num_tokens", ctypes.c_int), ("rank", ctypes.c_int), ("phases", ctypes.c_int),
-                ("use_nvlink", ctypes.c_int), ("enable_shrink", ctypes.c_int), ("op", ctypes.c_int)]
+                ("use_nvlink", ctypes.c_int), ("enable_shrink", ctypes.c_int), ("op", ctypes.c_int),
+                ("trace", _P)]
 
 
 # ---- kernel specialisations --------------------------------------------------------------------
+def _trace_defines(trace: bool) -> tuple:
+    return (("EPCOMM_LL_TRACE", 1),) if trace else ()
+
+
 def dispatch_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int, num_max_tokens: int,
-                    use_fp8: bool, round_scale: bool, use_ue8m0: bool, index_dtype=torch.int64) -> KernelSource:
+                    use_fp8: bool, round_scale: bool, use_ue8m0: bool, index_dtype=torch.int64,
+                    trace: bool = False) -> KernelSource:
     b = lambda v: "true" if v else "false"
     kernel = (f"epcomm::ll::dispatch_kernel<{hidden}, {num_topk}, {num_ranks}, {num_experts}, {num_max_tokens}, "
               f"{b(use_fp8)}, {b(use_fp8 and round_scale)}, {b(use_fp8 and use_ue8m0)}, "
               f"{_INDEX_TYPES[index_dtype]}, {THREADS}>")
-    return KernelSource("low_latency.cu", (kernel,), uses_nvshmem=True)
+    return KernelSource("low_latency.cu", (kernel,), _trace_defines(trace), uses_nvshmem=True)
 
 
 def combine_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int, num_max_tokens: int,
-                   index_dtype=torch.int64) -> KernelSource:
+                   index_dtype=torch.int64, trace: bool = False) -> KernelSource:
     kernel = (f"epcomm::ll::combine_kernel<{hidden}, {num_topk}, {num_ranks}, {num_experts}, {num_max_tokens}, "
               f"{_INDEX_TYPES[index_dtype]}, {THREADS}>")
-    return KernelSource("low_latency.cu", (kernel,), uses_nvshmem=True)
+    return KernelSource("low_latency.cu", (kernel,), _trace_defines(trace), uses_nvshmem=True)
+
+
+# ---- profiling builds (EPCOMM_LL_TRACE=1, or set_tracing) ------------------------------------
+# Kernels built with -DEPCOMM_LL_TRACE stamp %globaltimer per (block, warp) at the phase ends named
+# here (cuda_src/low_latency_protocol.cuh, TraceSlot); last_trace() returns the latest launch's.
+# The environment is read once, at import (a read per call costs ~2.5 us); set_tracing switches.
+TRACE_SLOTS = ["start", "released", "send_a", "send_b", "send_c", "send_done", "recv_start", "recv_ready",
+               "recv_done", "end"]
+TRACE_MEANING = {"dispatch": {"send_a": "messages sent", "send_b": "lists sent", "recv_ready": "first pair's lists ready"},
+                 "combine": {"send_a": "records sent", "send_b": "row maps built", "send_c": "items done",
+                             "recv_ready": "first token's partials ready"}}
+_tracing_on = env.ll_trace()
+_TRACE: Dict[int, Tuple[torch.Tensor, int]] = {}   # device index -> (buffer, blocks of the last launch)
+
+
+def set_tracing(on: bool) -> None:
+    """Use the tracing kernel builds from the next call on (bench/low_latency_trace.py)."""
+    global _tracing_on
+    _tracing_on = bool(on)
+
+
+def _trace_buffer(device_index: int, blocks: int) -> int:
+    """Zeroed trace rows for `blocks` blocks; returns the device pointer."""
+    need = blocks * (THREADS // 32) * len(TRACE_SLOTS)
+    buf = _TRACE.get(device_index, (None, 0))[0]
+    if buf is None or buf.numel() < need:
+        buf = torch.zeros(need, dtype=torch.int64, device=torch.device("cuda", device_index))
+    buf[:need].zero_()
+    _TRACE[device_index] = (buf, blocks)
+    return buf.data_ptr()
+
+
+def last_trace(device_index: int) -> Optional[torch.Tensor]:
+    """[blocks, warps, len(TRACE_SLOTS)] int64 on the CPU (ns of %globaltimer, 0 = not reached) of the
+    latest traced launch on this device (synchronises the device), or None when nothing was traced."""
+    if device_index not in _TRACE:
+        return None
+    buf, blocks = _TRACE[device_index]
+    torch.cuda.synchronize(device_index)
+    return buf[:blocks * (THREADS // 32) * len(TRACE_SLOTS)].view(blocks, THREADS // 32, len(TRACE_SLOTS)).cpu()
 
 
 def representative_sources() -> List[KernelSource]:
@@ -224,9 +271,9 @@ class LowLatency:
 
     # ---- dispatch ----------------------------------------------------------------------------
     def _dispatch_plan(self, key: tuple) -> _Plan:
-        _, T, H, E, K, fp8, round_scale, ue8m0, index_dtype = key
+        _, T, H, E, K, fp8, round_scale, ue8m0, index_dtype, trace = key
         layout, R = self._layout(T, H, E), self.num_ranks
-        kernel = self._kernel(dispatch_source(H, K, R, E, T, fp8, round_scale, ue8m0, index_dtype))
+        kernel = self._kernel(dispatch_source(H, K, R, E, T, fp8, round_scale, ue8m0, index_dtype, trace))
         smem = dispatch_smem_bytes(H, K, fp8)
         kernel.set_max_dynamic_smem(smem)
         params = tuple(self._dispatch_params(layout, s) for s in (0, 1))
@@ -235,7 +282,7 @@ class LowLatency:
         if fp8:   # [E_l, R*T, S] stored column-major in the last two dims (as [E_l, S, R*T]), as DeepEP
             S = H // 512 if ue8m0 else H // 128
             scales = ((E_l, slots, S), (S * slots, 1, slots), torch.int32 if ue8m0 else torch.float32)
-        plan = _Plan(kernel, smem, params, (T, E), hidden=H, x_shape=(E_l, slots, H),
+        plan = _Plan(kernel, smem, params, (T, E), hidden=H, trace=trace, x_shape=(E_l, slots, H),
                      x_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, scales=scales,
                      src_info_shape=(E_l, slots), layout_shape=(E_l, R), count_shape=(E_l,))
         self._plans[key] = plan
@@ -255,7 +302,7 @@ class LowLatency:
         T, E = num_max_dispatch_tokens_per_rank, num_experts
         N, H = x.shape
         key = ("dispatch", T, H, E, topk_idx.shape[1], use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0,
-               topk_idx.dtype)
+               topk_idx.dtype, _tracing_on)
         plan = self._plans.get(key) or self._dispatch_plan(key)
         s = self._set_for_call(plan)
         p, stream = plan.params[s], _stream(self._device_index)
@@ -279,6 +326,7 @@ class LowLatency:
         p.recv_src_info, p.recv_layout_range, p.recv_count = src_info.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr()
         p.cumulative_recv_stats = _ptr(cumulative_local_expert_recv_stats)
         p.wait_recv_cost_stats = _ptr(dispatch_wait_recv_cost_stats)
+        p.trace = _trace_buffer(self._device_index, self._grid[0]) if plan.trace else 0
         hook = None
         if return_recv_hook:
             hook = self._hooked(plan, p, (recv_x, scales, src_info, layout_range, recv_count,
@@ -290,12 +338,12 @@ class LowLatency:
 
     # ---- combine -----------------------------------------------------------------------------
     def _combine_plan(self, key: tuple) -> _Plan:
-        _, T, H, E, K, index_dtype = key
+        _, T, H, E, K, index_dtype, trace = key
         layout = self._layout(T, H, E)
-        kernel = self._kernel(combine_source(H, K, self.num_ranks, E, T, index_dtype))
+        kernel = self._kernel(combine_source(H, K, self.num_ranks, E, T, index_dtype, trace))
         params = tuple(self._combine_params(layout, s) for s in (0, 1))
         send = tuple(self.gb.rdma.ptr + layout.send(s) for s in (0, 1))   # the zero-copy buffers
-        plan = self._plans[key] = _Plan(kernel, 0, params, (T, E), hidden=H, zero_copy_x=send)
+        plan = self._plans[key] = _Plan(kernel, 0, params, (T, E), hidden=H, trace=trace, zero_copy_x=send)
         return plan
 
     def _combine_params(self, layout: Layout, s: int) -> CombineParams:
@@ -314,7 +362,7 @@ class LowLatency:
                                       "payload is not implemented; use BF16 (use_logfmt=False)")
         src_info, layout_range, T, H, E = handle
         N, K = topk_idx.shape
-        key = ("combine", T, H, E, K, topk_idx.dtype)
+        key = ("combine", T, H, E, K, topk_idx.dtype, _tracing_on)
         plan = self._plans.get(key) or self._combine_plan(key)
         s = self._set_for_call(plan)
         p, stream = plan.params[s], _stream(self._device_index)
@@ -333,6 +381,7 @@ class LowLatency:
         p.src_info, p.layout_range = src_info.data_ptr(), layout_range.data_ptr()
         p.topk_idx, p.topk_weights, p.out, p.num_tokens = topk_idx.data_ptr(), topk_weights.data_ptr(), out.data_ptr(), N
         p.wait_recv_cost_stats = _ptr(combine_wait_recv_cost_stats)
+        p.trace = _trace_buffer(self._device_index, self._grid[0]) if plan.trace else 0
         if return_recv_hook:
             return out, self._hooked(plan, p, (out, topk_idx, topk_weights, combine_wait_recv_cost_stats))
         p.phases = SEND | RECV
