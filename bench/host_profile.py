@@ -12,28 +12,17 @@ import io
 import os
 import pstats
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
+from bench.harness import host_issue_times
+
 SLEEP_CYCLES = 2_000_000   # ~1 ms: longer than any call's host issue
 
 
-def _host_times(fn, calls: int):
-    times = []
-    for _ in range(calls):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
-        dist.barrier()
-    return sorted(times)
-
-
 def profile(name: str, fn, say) -> None:
-    times = _host_times(fn, 200)
+    times = sorted(host_issue_times(fn, 200, SLEEP_CYCLES))
     say(f"== {name}: host us median {statistics.median(times):.1f} p10 {times[len(times) // 10]:.1f} "
         f"p90 {times[9 * len(times) // 10]:.1f}")
     profiler = cProfile.Profile()
