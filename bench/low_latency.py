@@ -259,9 +259,36 @@ def _run(ctx: BenchContext, setting: dict, largest: dict) -> List[Record]:
     return records
 
 
+def _graph_round_trip(ctx: BenchContext, setting: dict, largest: dict) -> Record:
+    """dispatch + combine captured once in a CUDA graph, the replay timed as the whole calls are:
+    the same GPU work with no Python host path (what a decode loop built on graphs pays). Not the
+    targets.md metric (that one times the Python calls); reported next to it."""
+    N, H, K, E = (setting[k] for k in ("N", "H", "K", "E"))
+    s = _Setting(ctx, N, H, K, E, largest)
+    recv, _, handle, _, _ = s.dispatch()
+    expert_x = s.expert_input(recv)
+
+    def round_trip():
+        r, _, h, _, _ = s.dispatch()
+        s.combine(expert_x, h)
+    for _ in range(ctx.warmup):
+        round_trip()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        round_trip()
+    timing = ctx.time_stats(graph.replay)
+    return Record(_name("dispatch+combine", "back to back, one CUDA graph replay", N, H, K, E),
+                  dict(setting, R=ctx.world_size, T=s.T), us=timing.mean_us, sms=ctx.num_device_sms,
+                  extra=timing.summary())
+
+
 def cases(ctx: BenchContext):
     settings = [s for s in _settings(ctx.quick) if s["E"] % ctx.world_size == 0]
     largest = dict(N=max(s["N"] for s in settings), H=max(s["H"] for s in settings), E=TARGET["E"])
     for setting in settings:
         yield Case(_name("dispatch/combine", "all figures", **setting),
                    lambda c, st=setting: _run(c, st, largest), dict(setting))
+    if ctx.is_gpu and TARGET["E"] % ctx.world_size == 0:
+        yield Case(_name("dispatch+combine", "back to back, one CUDA graph replay", **TARGET),
+                   lambda c: _graph_round_trip(c, dict(TARGET), largest), dict(TARGET))
