@@ -426,14 +426,15 @@ class BenchContext:
         return self.buffer(num_rdma_bytes=rdma, low_latency_mode=True,
                            num_qps_per_rank=max(1, num_experts // self.world_size))
 
-    def internode_buffer(self, max_tokens: int, hidden: int, num_topk: int):
+    def internode_buffer(self, max_tokens: int, hidden: int, num_topk: int, allow_mnnvl: bool = False):
         """A Buffer in internode mode with one rank per "node" (every rank its own node, so every
-        transfer between ranks is an RDMA-stage one: NVSHMEM puts, over NVLink P2P on one host),
-        sized by the internode plan for `max_tokens` BF16 rows of `hidden` per rank (calls are
-        one-shot; FP8 records are smaller)."""
+        transfer between ranks is an RDMA-stage one: NVSHMEM puts, over NVLink P2P on one host; with
+        allow_mnnvl, stores in place), sized by the internode plan for `max_tokens` BF16 rows of
+        `hidden` per rank (calls are one-shot; FP8 records are smaller)."""
         from epcomm.ops.internode_plan import rdma_bytes_needed
         rdma = rdma_bytes_needed(max_tokens, hidden * 2, 0, num_topk, self.world_size, 1)
-        return self.buffer(num_nvl_bytes=NVL_BYTES_WITHOUT_HINT, num_rdma_bytes=rdma, num_local_ranks=1)
+        return self.buffer(num_nvl_bytes=NVL_BYTES_WITHOUT_HINT, num_rdma_bytes=rdma, num_local_ranks=1,
+                           allow_mnnvl=allow_mnnvl)
 
     def release_buffer(self, destroy: bool = True) -> None:
         """Drop the current Buffer; destroy it (collective) unless a failed case may have left it

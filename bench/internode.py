@@ -17,7 +17,9 @@ end at EPCOMM_TIMEOUT_S. The module runs after intranode and low_latency and rel
 at the end (a failed case leaves the Buffer forgotten, as the runner does for every case).
 
 Cases: N=4096 (compared with the same-run torch+NCCL MoE) and N=128, H=7168, K=8, E=256, 24 SMs,
-one Buffer sized by internode_plan.rdma_bytes_needed for the larger N.
+one Buffer sized by internode_plan.rdma_bytes_needed for the larger N; then N=4096 again on a
+Buffer with allow_mnnvl=True, where the "nodes" (mapped GPUs of this host) get stores in place
+instead of NVSHMEM puts (on P2P a put is one warp's copy of a whole chunk).
 """
 from __future__ import annotations
 
@@ -63,12 +65,14 @@ def _oracle_check(ctx: BenchContext, buffer, N: int, H: int, K: int, E: int):
     return verify
 
 
-def _run(ctx: BenchContext, N: int, last: bool) -> List[Record]:
+def _run(ctx: BenchContext, N: int, last: bool, mnnvl: bool = False) -> List[Record]:
     H, K, E = SETTING["H"], SETTING["K"], SETTING["E"]
-    buffer = ctx.internode_buffer(max(CASE_N), H, K)
-    records = run_normal(ctx, buffer, internode_name, N, H, K, E, TARGET_SMS, OPS,
+    buffer = ctx.internode_buffer(max(CASE_N), H, K, allow_mnnvl=mnnvl)
+    name = (lambda op, *rest: internode_name(f"{op} allow_mnnvl", *rest)) if mnnvl else internode_name
+    records = run_normal(ctx, buffer, name, N, H, K, E, TARGET_SMS, OPS,
                          with_baseline=N == SETTING["N"], verify=_oracle_check(ctx, buffer, N, H, K, E),
-                         setting=dict(nodes=ctx.world_size, local_ranks=1, remote="rows from other nodes"))
+                         setting=dict(nodes=ctx.world_size, local_ranks=1, remote="rows from other nodes",
+                                      allow_mnnvl=mnnvl))
     if last:
         ctx.release_buffer()   # later modules (and the runner's teardown) start without it
     return records
@@ -85,6 +89,9 @@ def cases(ctx: BenchContext):
         return
     if E % ctx.world_size:
         return
-    for i, n in enumerate(CASE_N):
-        yield Case(internode_name("setting", n, H, K, E, TARGET_SMS),
-                   lambda c, n=n, last=i == len(CASE_N) - 1: _run(c, n, last), dict(SETTING, N=n))
+    for n in CASE_N:
+        yield Case(internode_name("setting", n, H, K, E, TARGET_SMS), lambda c, n=n: _run(c, n, False),
+                   dict(SETTING, N=n))
+    n = SETTING["N"]
+    yield Case(internode_name("setting allow_mnnvl", n, H, K, E, TARGET_SMS), lambda c: _run(c, n, True, mnnvl=True),
+               dict(SETTING, N=n, allow_mnnvl=True))

@@ -1,7 +1,9 @@
 // Normal-mode internode dispatch / combine: R = M nodes x L ranks, rank s = (n, l) = n * L + l; the
 // "RDMA peer" of s on node m is (m, l). Transfers between nodes are NVSHMEM puts with a signal (the
-// proxy or IBGDA transport across nodes; P2P stores between PEs of one host); within a node, ranks
-// load / store each other's RDMA buffer through the NVLink mappings (peer_bases).
+// proxy or IBGDA transport across nodes; P2P stores between PEs of one host), or, with allow_mnnvl
+// and the peer's buffer mapped (multi-node NVLink, or "nodes" on one host), stores in place and a
+// release of the signal word; within a node, ranks load / store each other's RDMA buffer through
+// the NVLink mappings (peer_bases; other nodes' entries are null unless allow_mnnvl).
 //
 // Dispatch (notify_kernel, then dispatch_kernel). Each source s cuts its N tokens into G chunks of
 // ceil(N / G) consecutive tokens. RDMA stage: a token goes ONCE to each node it reaches (never once
@@ -177,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     __shared__ int block_ok;
     const Call call = begin_call<kRanks, kLocal>(peers, p);
     if (wait_all_idle<kRanks, D::kNodes>(call, &block_ok) && fits_capacity(call, p.max_tokens, p.capacity)) {
-        D::send(p, call);
+        D::send(p, peers, call);
         D::receive(p, peers, call);
         D::pad(p);
     }

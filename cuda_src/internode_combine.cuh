@@ -71,7 +71,8 @@ struct Combine {
 
     // Step 2 (this rank as the RDMA peer of the sources (n, local)): per source node n, record i,
     // sum the pushed rows of local ranks 0..L-1 in that order in fp32, then put each chunk of
-    // `chunk_records` partial sums to (n, local) with one signal. Blocks take (node, chunk) items.
+    // `chunk_records` partial sums to (n, local) with one signal (or, its buffer mapped, write them
+    // there and release the signal). Blocks take (node, chunk) items.
     static __device__ void reduce(const CombineParams &p, char *const *peers, const Call &c) {
         const int lane = lane_id(), warp = warp_id(), k_top = p.num_topk, stride = p.num_chunks + 1;
         const int node = c.node, local = c.local;
@@ -100,8 +101,9 @@ struct Combine {
                     if (k >= 0 && k != k_top && lane == 0) guard.violation(node * kLocal + j, kPhaseConfigMismatch);
                     present |= (k >= 0) << j;
                 }
-                char *dst = base + (n == node ? p.partial_recv_offset + (node * cap + i) * pb
-                                              : p.partial_stage_offset + (n * cap + i) * pb);
+                char *holder = peers[n * kLocal + local];   // mapped: write the partial in place
+                char *dst = holder != nullptr ? holder + p.partial_recv_offset + (node * cap + i) * pb
+                                              : base + p.partial_stage_offset + (n * cap + i) * pb;
                 for (int u = lane; u < kRowInt4; u += 32) {
                     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -120,10 +122,13 @@ struct Combine {
                 if (lane == 0) *reinterpret_cast<unsigned long long *>(dst + kPartialTag) = tag_of(epoch) + k_top;
             }
             __syncthreads();
-            if (warp == 0)
+            if (warp == 0) {
+                char *holder = peers[n * kLocal + local];
                 publish_run(base + p.partial_recv_offset + (node * cap + lo) * pb, base + p.partial_stage_offset + (n * cap + lo) * pb,
-                            (size_t)(hi - lo) * pb, signal_word(base, H::kPartialSignal, node * kMaxChunks + c), epoch,
-                            n * kLocal + local, n == node);
+                            (size_t)(hi - lo) * pb,
+                            signal_word(holder != nullptr ? holder : base, H::kPartialSignal, node * kMaxChunks + c),
+                            epoch, n * kLocal + local, holder != nullptr);
+            }
             __syncthreads();
         }
     }

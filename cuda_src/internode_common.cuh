@@ -208,11 +208,12 @@ __device__ __forceinline__ void kernel_finish(const Call &c) {
 
 // A warp hands a contiguous run of records (written by any warp of its block before a
 // __syncthreads) to the RDMA peer: one put with a signal SET to `epoch` once the bytes landed.
-// A run for this rank's own node needs no transfer: a release of the local signal word suffices.
+// `direct`: the records were written in place (this rank's own node, or a peer whose buffer is
+// mapped: allow_mnnvl), and `signal` is addressable from here: a release of it suffices.
 __device__ __forceinline__ void publish_run(char *remote_dst, const char *local_src, size_t bytes,
                                             unsigned long long *signal, unsigned long long epoch, int pe,
-                                            bool local) {
-    if (local) {
+                                            bool direct) {
+    if (direct) {
         if (lane_id() == 0) {
             fence_acq_rel_sys();
             st_release_sys(signal, epoch);

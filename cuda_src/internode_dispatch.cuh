@@ -35,9 +35,11 @@ struct Dispatch {
 
     // RDMA stage. Block b packs token chunks b, b + B, ...: each token once per destination node it
     // reaches, at its index among the tokens this rank sends to that node (send_rdma_head). Records
-    // for this rank's own node go straight to its receive slots; the others to the stage, then one
-    // put-with-signal per (node, chunk) moves the chunk's contiguous run of records.
-    static __device__ void send(const DispatchParams &p, const Call &c) {
+    // go straight to the receive slots of the RDMA peer when its buffer is mapped here (this rank's
+    // own node; other nodes with allow_mnnvl, whose peers entries are otherwise null); the others
+    // to the stage, then one put-with-signal per (node, chunk) moves the chunk's contiguous run.
+    // (A put is one warp's copy when NVSHMEM's transport is P2P: slow for MB-sized runs.)
+    static __device__ void send(const DispatchParams &p, char *const *peers, const Call &c) {
         char *base = c.base;
         const int node = c.node, local = c.local;
         const unsigned long long epoch = c.epoch;
@@ -51,9 +53,10 @@ struct Dispatch {
                 for (int m = 0; m < kNodes; ++m) {
                     const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
                     if (i < 0 || i >= cap) continue;   // i < N <= capacity (fits_capacity); never past the slots
-                    const long long slot = m == node ? p.recv_offset + (node * cap + i) * rec
-                                                     : p.stage_offset + (m * cap + i) * rec;
-                    write_record(p, base + slot, t, m, f);
+                    char *holder = peers[m * kLocal + local];   // this rank itself when m == node
+                    char *record = holder != nullptr ? holder + p.recv_offset + (node * cap + i) * rec
+                                                     : base + p.stage_offset + (m * cap + i) * rec;
+                    write_record(p, record, t, m, f);
                 }
             }
             __syncthreads();
@@ -61,9 +64,11 @@ struct Dispatch {
                 const int lo = min((long long)__ldg(p.rdma_channel_prefix + m * stride + g), cap);
                 const int hi = min((long long)__ldg(p.rdma_channel_prefix + m * stride + g + 1), cap);
                 // On the receiver: slot [this node][lo..hi), signal [this node][g].
+                char *holder = peers[m * kLocal + local];
                 publish_run(base + p.recv_offset + (node * cap + lo) * rec, base + p.stage_offset + (m * cap + lo) * rec,
-                            (size_t)(hi - lo) * rec, signal_word(base, H::kRecordSignal, node * kMaxChunks + g), epoch,
-                            m * kLocal + local, m == node);
+                            (size_t)(hi - lo) * rec,
+                            signal_word(holder != nullptr ? holder : base, H::kRecordSignal, node * kMaxChunks + g),
+                            epoch, m * kLocal + local, holder != nullptr);
             }
         }
     }

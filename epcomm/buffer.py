@@ -94,7 +94,8 @@ class Buffer:
                 get_low_latency_rdma_size_hint).
             num_qps_per_rank: RDMA queue pairs per peer (kept for the RDMA transport).
             allow_nvlink_for_low_latency_mode: low-latency traffic may use NVLink peers.
-            allow_mnnvl: allow multi-node NVLink.
+            allow_mnnvl: allow multi-node NVLink: internode mode writes ranks of other nodes whose
+                buffers this GPU maps in place (NVLink stores) instead of through NVSHMEM puts.
             use_fabric: allocate with the fabric API (the symmetric heap chooses its own handles).
             explicitly_destroy: the user calls destroy(); otherwise resources are released at exit.
             enable_shrink: enable the low-latency rank-masking calls.

@@ -32,7 +32,8 @@ pytestmark = pytest.mark.gpu
 HIDDEN = 7168
 
 
-def make_buffer(dist_env, local: int, rdma_bytes: int = 256 << 20, timeout_s: str = "", arch: str = ""):
+def make_buffer(dist_env, local: int, rdma_bytes: int = 256 << 20, timeout_s: str = "", arch: str = "",
+                mnnvl: bool = False):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("EPCOMM_NUM_LOCAL_RANKS", str(local))
         if timeout_s:
@@ -40,7 +41,7 @@ def make_buffer(dist_env, local: int, rdma_bytes: int = 256 << 20, timeout_s: st
         if arch:
             env.setenv("EPCOMM_ARCH", arch)
         return epcomm.Buffer(dist_env.group, num_nvl_bytes=1 << 20, num_rdma_bytes=rdma_bytes,
-                             explicitly_destroy=True)
+                             explicitly_destroy=True, allow_mnnvl=mnnvl)
 
 
 def release(dist_env, buf, failed: bool = False) -> None:
@@ -332,6 +333,37 @@ def test_sm80_feature_set(dist_env, setup, monkeypatch):
             errors += combine_errors(dist_env, buf, got, inputs, local, 64)
         errors += [] if features == {80} else [f"the kernels were looked up for feature sets {features}"]
         check(dist_env, errors, "sm80 feature set")
+    finally:
+        release(dist_env, buf)
+
+
+def test_mnnvl_writes_other_nodes_in_place(dist_env, setup):
+    """allow_mnnvl=True: ranks of other nodes whose buffers are mapped here (on this machine every
+    "node" is a GPU of one host) get records and partial sums as stores in place plus a released
+    signal instead of NVSHMEM puts, with results as exact as the put path's; without it (the
+    default Buffer of this module) the kernels' peer table leaves other nodes out (puts)."""
+    from epcomm.ops import internode
+    default_buf, local = setup
+    rank, device, world = dist_env.rank, dist_env.device, dist_env.world_size
+    other_nodes = [r for r in range(world) if r // local != rank // local]
+    default_table = internode._PEER_BASES[default_buf._backend.rdma].cpu()   # built by the earlier tests' calls
+    errors = [f"default Buffer: other nodes' peer entries {default_table.tolist()} are not 0"
+              for _ in [0] if bool((default_table[other_nodes] != 0).any())]
+    buf = make_buffer(dist_env, local, rdma_bytes=1 << 30, mnnvl=True)
+    try:
+        gb = buf._backend
+        if not all(gb.rdma.peer_ptrs):
+            errors.append("this test needs every rank's buffer mapped (one host)")
+        for fp8 in (False, True):
+            inputs = inputs_for(dist_env, local, (1000, 300), seed=83, hidden=HIDDEN, num_experts=64, num_topk=8,
+                                fp8=fp8)
+            got = run_dispatch(buf, inputs[rank], device, fp8)
+            errors += dispatch_errors(got, expected(inputs, rank, 64, fp8), fp8, rank, inputs)
+            errors += combine_errors(dist_env, buf, got, inputs, local, 64)
+        table = internode._PEER_BASES[gb.rdma].cpu()
+        if bool((table == 0).any()):
+            errors.append(f"allow_mnnvl: the kernels' peer table {table.tolist()} leaves ranks out")
+        check(dist_env, errors, "allow_mnnvl")
     finally:
         release(dist_env, buf)
 

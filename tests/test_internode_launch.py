@@ -4,6 +4,7 @@ capacity checks) runs on CPU tensors, and the Params it fills are checked agains
 the buffer layout."""
 from __future__ import annotations
 
+import ctypes
 from types import SimpleNamespace
 
 import pytest
@@ -34,11 +35,12 @@ class FakeRdma:   # what the launcher reads of runtime.symmetric.SymmetricBuffer
         self.nbytes, self.ptr, self.peer_ptrs = nbytes, 4096, [8192 * (r + 1) for r in range(RANKS)]
 
 
-def fake_backend(rank=1, rdma_bytes=64 << 20):
+def fake_backend(rank=1, rdma_bytes=64 << 20, **options):
     return SimpleNamespace(
         rank=rank, num_ranks=RANKS, num_local_ranks=LOCAL, device=torch.device("cpu"), device_index=0,
-        arch=SimpleNamespace(num_sms=132), low_latency_mode=False, timeout_ns=123, rdma=FakeRdma(rdma_bytes),
-        status=SimpleNamespace(device_ptr=0), check_errors=lambda: None)
+        arch=SimpleNamespace(num_sms=132, feature=90), low_latency_mode=False, timeout_ns=123,
+        rdma=FakeRdma(rdma_bytes), status=SimpleNamespace(device_ptr=0), check_errors=lambda: None,
+        options=options)
 
 
 def peer_bases(params):
@@ -92,8 +94,9 @@ def test_fresh_exact_dispatch_fills_params_from_the_handle(launches, monkeypatch
         (layout.recv_offset, layout.stage_offset, layout.capacity, layout.record_bytes)
     assert (p.num_chunks, p.num_topk, p.num_out_rows, p.num_local_experts, p.rank) == (chunks, TOPK, 37, 4, 1)
     assert result.num_recv_tokens_per_expert_list == [3] * 4
-    # the own entry is the heap address (NVSHMEM translates puts relative to it), the others nvshmem_ptr's
-    assert peer_bases(p) == peer_bases(notify) == [8192, 4096, 8192 * 3, 8192 * 4]
+    # the own entry is the heap address (NVSHMEM translates puts relative to it), the other local
+    # rank's its nvshmem_ptr; other nodes' are null (puts) unless allow_mnnvl (test below)
+    assert peer_bases(p) == peer_bases(notify) == [8192, 4096, 0, 0]
     assert notify.notify_ints == plan.notify_ints(RANKS)
     assert (notify.area_offset, notify.stage_offset) == plan.notify_offsets(RANKS, nodes)[:2]
     # the token format goes into the count rows (checked equal on every rank by the notify kernel)
@@ -213,3 +216,13 @@ def test_combine_bias_must_cover_every_token(launches):
     assert launches == []
     internode.combine(gb, rows, worst, None, (torch.zeros(64, HIDDEN).bfloat16(), None), Config(6))
     assert len(launches) == 1
+
+
+def test_allow_mnnvl_puts_other_nodes_mapped_buffers_in_the_peer_table():
+    """allow_mnnvl=True: the kernels get every mapped rank's buffer, other nodes included (they then
+    store in place instead of putting); a rank nvshmem_ptr cannot map stays null either way."""
+    from epcomm.ops import internode
+    gb = fake_backend(allow_mnnvl=True)
+    gb.rdma.peer_ptrs[3] = 0   # not reachable from this GPU
+    table = (ctypes.c_int64 * RANKS).from_address(internode._peer_bases(gb))
+    assert list(table) == [8192, 4096, 8192 * 3, 0]

@@ -107,7 +107,9 @@ def _check_notify_fits(gb, num_local_experts: int, what: str) -> None:
 # Per RDMA buffer: [R] int64 device table of every rank's copy as this process addresses it. The
 # kernels take their own entry as `base` and hand addresses derived from it to NVSHMEM puts, which
 # translate them relative to the symmetric heap: so the own entry is the heap address itself
-# (buffer.ptr), whatever mapping nvshmem_ptr gives for this PE.
+# (buffer.ptr), whatever mapping nvshmem_ptr gives for this PE. Ranks of other nodes are null
+# unless the Buffer was built with allow_mnnvl=True: then a mapped one (multi-node NVLink, or
+# "nodes" on one host) is written in place instead of through a put.
 _PEER_BASES: "weakref.WeakKeyDictionary[object, torch.Tensor]" = weakref.WeakKeyDictionary()
 
 
@@ -115,7 +117,9 @@ def _peer_bases(gb) -> int:
     rdma = gb.rdma
     table = _PEER_BASES.get(rdma)
     if table is None:
-        bases = list(rdma.peer_ptrs)
+        local, node = gb.num_local_ranks, gb.rank // gb.num_local_ranks
+        mnnvl = bool(gb.options.get("allow_mnnvl", False))
+        bases = [ptr if mnnvl or r // local == node else 0 for r, ptr in enumerate(rdma.peer_ptrs)]
         bases[gb.rank] = rdma.ptr
         table = _PEER_BASES[rdma] = torch.tensor(bases, dtype=torch.int64, device=gb.device)
     return table.data_ptr()
