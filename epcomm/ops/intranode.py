@@ -19,7 +19,7 @@ G comes from Config.num_sms (intranode_plan.num_chunks) and must be equal on eve
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
@@ -31,6 +31,7 @@ from ..runtime.status import register_op
 from . import intranode_plan as plan
 from ..streams import current_stream_handle as _stream
 from .layout import _INDEX_TYPES
+from .trace import TraceRows
 
 DISPATCH_OP = register_op("intranode dispatch", plan.PHASES)
 COMBINE_OP = register_op("intranode combine", plan.PHASES)
@@ -65,7 +66,7 @@ def _kernel(gb, name: str, trace: bool):
 # Kernels built with -DEPCOMM_INTRANODE_TRACE stamp %globaltimer per warp and phase into a device
 # buffer (slots: intranode_plan.TRACE_SLOTS); last_trace() returns the latest launch's stamps.
 # The environment is read once, at import (a read per call costs ~2.5 us); set_tracing switches.
-_TRACE: Dict[int, Tuple[torch.Tensor, int]] = {}   # device index -> (buffer, blocks of the last launch)
+_TRACE = TraceRows(plan.TRACE_WARPS, len(plan.TRACE_SLOTS))
 _tracing_on = env.intranode_trace()
 
 
@@ -75,26 +76,7 @@ def set_tracing(on: bool) -> None:
     _tracing_on = bool(on)
 
 
-def _trace_buffer(device, device_index: int, blocks: int) -> int:
-    """Zeroed trace rows for `blocks` blocks (tracing builds only); returns the device pointer."""
-    need = blocks * plan.TRACE_WARPS * len(plan.TRACE_SLOTS)
-    buf = _TRACE.get(device_index, (None, 0))[0]
-    if buf is None or buf.numel() < need:
-        buf = torch.zeros(need, dtype=torch.int64, device=device)
-    buf[:need].zero_()
-    _TRACE[device_index] = (buf, blocks)
-    return buf.data_ptr()
-
-
-def last_trace(device_index: int) -> Optional[torch.Tensor]:
-    """[blocks, TRACE_WARPS, len(TRACE_SLOTS)] int64 on the CPU, of the latest traced launch on this
-    device (synchronises the device), or None when nothing was traced."""
-    if device_index not in _TRACE:
-        return None
-    buf, blocks = _TRACE[device_index]
-    torch.cuda.synchronize(device_index)
-    return buf[:blocks * plan.TRACE_WARPS * len(plan.TRACE_SLOTS)].view(
-        blocks, plan.TRACE_WARPS, len(plan.TRACE_SLOTS)).cpu()
+last_trace = _TRACE.last   # [blocks, TRACE_WARPS, len(TRACE_SLOTS)] of the latest traced launch
 
 
 # ---- checks, launch geometry ------------------------------------------------------------------
@@ -262,7 +244,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
     p.scale_stride_token, p.scale_stride_group = x_scales.stride() if x_scales is not None else (0, 0)
     p.num_tokens, p.num_chunks, p.tokens_per_chunk = num_tokens, chunks, plan.tokens_per_chunk(num_tokens, chunks)
     p.num_topk, p.num_local_experts, p.num_out_rows = num_topk, num_local_experts, num_out_rows
-    p.trace = _trace_buffer(device, gb.device_index, geometry.blocks) if trace else 0
+    p.trace = _TRACE.zeroed(gb.device_index, geometry.blocks) if trace else 0
     _launch(gb, geometry.kernel, geometry.blocks, plan.THREADS, p)
 
     if not fresh:
@@ -288,7 +270,7 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
         notify_offset=plan.header_bytes(num_ranks), num_tokens=num_tokens, num_chunks=chunks,
         tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
         num_local_experts=num_local_experts, rank=gb.rank, op=DISPATCH_OP,
-        trace=_trace_buffer(device, gb.device_index, 1) if trace else 0)
+        trace=_TRACE.zeroed(gb.device_index, 1) if trace else 0)
     _launch(gb, _kernel(gb, plan.notify_kernel(num_ranks), trace), 1, plan.NOTIFY_THREADS, params)
     rank_prefix = info[:num_ranks * num_ranks].view(num_ranks, num_ranks)
     return rank_prefix, channel_prefix, recv_channel_prefix, send_head, info
@@ -338,6 +320,6 @@ def combine(gb, x, handle, topk_weights, bias, config):
     p.combined_x, p.combined_weights = _ptr(combined_x), _ptr(combined_weights)
     p.num_tokens, p.num_chunks, p.tokens_per_chunk = num_tokens, chunks, plan.tokens_per_chunk(num_tokens, chunks)
     p.num_topk = num_topk
-    p.trace = _trace_buffer(device, gb.device_index, geometry.blocks) if trace else 0
+    p.trace = _TRACE.zeroed(gb.device_index, geometry.blocks) if trace else 0
     _launch(gb, geometry.kernel, geometry.blocks, plan.THREADS, p)
     return combined_x, combined_weights

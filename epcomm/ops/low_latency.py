@@ -21,6 +21,7 @@ from .. import env
 from ..backend import LowLatencyDispatchResult
 from ..runtime.compiler import KernelSource
 from ..streams import current_stream_handle as _stream
+from .trace import TraceRows
 from .low_latency_layout import (MAX_TOPK, THREADS, Layout, dispatch_smem_bytes, rdma_size_hint)
 
 __all__ = ["LowLatency", "rdma_size_hint", "representative_sources", "MAX_TOPK"]
@@ -92,38 +93,19 @@ def combine_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int,
 # The environment is read once, at import (a read per call costs ~2.5 us); set_tracing switches.
 TRACE_SLOTS = ["start", "released", "send_a", "send_b", "send_c", "send_done", "recv_start", "recv_ready",
                "recv_done", "end"]
-TRACE_MEANING = {"dispatch": {"send_a": "messages sent", "send_b": "lists sent", "recv_ready": "first pair's lists ready"},
+TRACE_MEANING = {"dispatch": {"send_a": "messages sent", "send_b": "lists sent",
+                              "recv_ready": "first pair's lists ready"},
                  "combine": {"send_a": "records sent", "send_b": "row maps built", "send_c": "items done",
                              "recv_ready": "first token's partials ready"}}
 _tracing_on = env.ll_trace()
-_TRACE: Dict[int, Tuple[torch.Tensor, int]] = {}   # device index -> (buffer, blocks of the last launch)
+_TRACE = TraceRows(THREADS // 32, len(TRACE_SLOTS))
+last_trace = _TRACE.last   # [blocks, warps, len(TRACE_SLOTS)] of the latest traced launch
 
 
 def set_tracing(on: bool) -> None:
     """Use the tracing kernel builds from the next call on (bench/low_latency_trace.py)."""
     global _tracing_on
     _tracing_on = bool(on)
-
-
-def _trace_buffer(device_index: int, blocks: int) -> int:
-    """Zeroed trace rows for `blocks` blocks; returns the device pointer."""
-    need = blocks * (THREADS // 32) * len(TRACE_SLOTS)
-    buf = _TRACE.get(device_index, (None, 0))[0]
-    if buf is None or buf.numel() < need:
-        buf = torch.zeros(need, dtype=torch.int64, device=torch.device("cuda", device_index))
-    buf[:need].zero_()
-    _TRACE[device_index] = (buf, blocks)
-    return buf.data_ptr()
-
-
-def last_trace(device_index: int) -> Optional[torch.Tensor]:
-    """[blocks, warps, len(TRACE_SLOTS)] int64 on the CPU (ns of %globaltimer, 0 = not reached) of the
-    latest traced launch on this device (synchronises the device), or None when nothing was traced."""
-    if device_index not in _TRACE:
-        return None
-    buf, blocks = _TRACE[device_index]
-    torch.cuda.synchronize(device_index)
-    return buf[:blocks * (THREADS // 32) * len(TRACE_SLOTS)].view(blocks, THREADS // 32, len(TRACE_SLOTS)).cpu()
 
 
 def representative_sources() -> List[KernelSource]:
@@ -326,7 +308,7 @@ class LowLatency:
         p.recv_src_info, p.recv_layout_range, p.recv_count = src_info.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr()
         p.cumulative_recv_stats = _ptr(cumulative_local_expert_recv_stats)
         p.wait_recv_cost_stats = _ptr(dispatch_wait_recv_cost_stats)
-        p.trace = _trace_buffer(self._device_index, self._grid[0]) if plan.trace else 0
+        p.trace = _TRACE.zeroed(self._device_index, self._grid[0]) if plan.trace else 0
         hook = None
         if return_recv_hook:
             hook = self._hooked(plan, p, (recv_x, scales, src_info, layout_range, recv_count,
@@ -381,7 +363,7 @@ class LowLatency:
         p.src_info, p.layout_range = src_info.data_ptr(), layout_range.data_ptr()
         p.topk_idx, p.topk_weights, p.out, p.num_tokens = topk_idx.data_ptr(), topk_weights.data_ptr(), out.data_ptr(), N
         p.wait_recv_cost_stats = _ptr(combine_wait_recv_cost_stats)
-        p.trace = _trace_buffer(self._device_index, self._grid[0]) if plan.trace else 0
+        p.trace = _TRACE.zeroed(self._device_index, self._grid[0]) if plan.trace else 0
         if return_recv_hook:
             return out, self._hooked(plan, p, (out, topk_idx, topk_weights, combine_wait_recv_cost_stats))
         p.phases = SEND | RECV
