@@ -309,12 +309,25 @@ def test_cuda_graph_replay(dist_env, setup):
               f"graph replay seed {seed}")
 
 
+def fp8_and_bf16_round_trip_errors(dist_env, buf, local: int, seed: int) -> List[str]:
+    """BF16 then FP8 dispatch + combine on `buf` (1000 / 300 tokens, 64 experts, top-8), checked
+    against the oracle."""
+    rank, device = dist_env.rank, dist_env.device
+    errors = []
+    for fp8 in (False, True):
+        inputs = inputs_for(dist_env, local, (1000, 300), seed=seed, hidden=HIDDEN, num_experts=64, num_topk=8,
+                            fp8=fp8)
+        got = run_dispatch(buf, inputs[rank], device, fp8)
+        errors += dispatch_errors(got, expected(inputs, rank, 64, fp8), fp8, rank, inputs)
+        errors += combine_errors(dist_env, buf, got, inputs, local, 64)
+    return errors
+
+
 def test_sm80_feature_set(dist_env, setup, monkeypatch):
     """A Buffer created under EPCOMM_ARCH=sm80 (read at construction) runs the kernels built with
     EPCOMM_FEATURE_SM80 on this GPU, and they are exact."""
     from epcomm.ops import internode
     _, local = setup
-    rank, device = dist_env.rank, dist_env.device
     features = set()
     get_kernel = internode.get_kernel
 
@@ -324,14 +337,9 @@ def test_sm80_feature_set(dist_env, setup, monkeypatch):
     monkeypatch.setattr(internode, "get_kernel", recording_get_kernel)
     buf = make_buffer(dist_env, local, rdma_bytes=1 << 30, arch="sm80")
     try:
-        errors = []
-        for fp8 in (False, True):
-            inputs = inputs_for(dist_env, local, (1000, 300), seed=71, hidden=HIDDEN, num_experts=64, num_topk=8,
-                                fp8=fp8)
-            got = run_dispatch(buf, inputs[rank], device, fp8)
-            errors += dispatch_errors(got, expected(inputs, rank, 64, fp8), fp8, rank, inputs)
-            errors += combine_errors(dist_env, buf, got, inputs, local, 64)
-        errors += [] if features == {80} else [f"the kernels were looked up for feature sets {features}"]
+        errors = fp8_and_bf16_round_trip_errors(dist_env, buf, local, seed=71)
+        if features != {80}:
+            errors.append(f"the kernels were looked up for feature sets {features}")
         check(dist_env, errors, "sm80 feature set")
     finally:
         release(dist_env, buf)
@@ -344,22 +352,18 @@ def test_mnnvl_writes_other_nodes_in_place(dist_env, setup):
     default Buffer of this module) the kernels' peer table leaves other nodes out (puts)."""
     from epcomm.ops import internode
     default_buf, local = setup
-    rank, device, world = dist_env.rank, dist_env.device, dist_env.world_size
+    rank, world = dist_env.rank, dist_env.world_size
     other_nodes = [r for r in range(world) if r // local != rank // local]
+    errors = []
     default_table = internode._PEER_BASES[default_buf._backend.rdma].cpu()   # built by the earlier tests' calls
-    errors = [f"default Buffer: other nodes' peer entries {default_table.tolist()} are not 0"
-              for _ in [0] if bool((default_table[other_nodes] != 0).any())]
+    if bool((default_table[other_nodes] != 0).any()):
+        errors.append(f"default Buffer: other nodes' peer entries {default_table.tolist()} are not 0")
     buf = make_buffer(dist_env, local, rdma_bytes=1 << 30, mnnvl=True)
     try:
         gb = buf._backend
         if not all(gb.rdma.peer_ptrs):
             errors.append("this test needs every rank's buffer mapped (one host)")
-        for fp8 in (False, True):
-            inputs = inputs_for(dist_env, local, (1000, 300), seed=83, hidden=HIDDEN, num_experts=64, num_topk=8,
-                                fp8=fp8)
-            got = run_dispatch(buf, inputs[rank], device, fp8)
-            errors += dispatch_errors(got, expected(inputs, rank, 64, fp8), fp8, rank, inputs)
-            errors += combine_errors(dist_env, buf, got, inputs, local, 64)
+        errors += fp8_and_bf16_round_trip_errors(dist_env, buf, local, seed=83)
         table = internode._PEER_BASES[gb.rdma].cpu()
         if bool((table == 0).any()):
             errors.append(f"allow_mnnvl: the kernels' peer table {table.tolist()} leaves ranks out")
