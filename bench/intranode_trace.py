@@ -130,6 +130,11 @@ def run_case(name, fn, rank, flush, iters, results):
            "ops_module_us": round(med(ops), 1) if ops else None, "whole_us": round(med(whole), 1),
            "whole_mean_us": round(statistics.fmean(whole), 1), "kernel_us": round(med(kernel), 1),
            "kernel_mean_us": round(statistics.fmean(kernel), 1), "trace": summary}
+    report(rec, rank, results)
+
+
+def report(rec: dict, rank: int, results: list) -> None:
+    """Collective: every rank's record; rank 0 prints them (one JSON line each) and keeps them."""
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rec)
     if rank == 0:

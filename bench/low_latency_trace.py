@@ -21,7 +21,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from bench.intranode_trace import _aligned_times
+from bench.intranode_trace import _aligned_times, report
 
 
 def trace_summary(trace, slots, meaning):
@@ -84,12 +84,7 @@ def main():
                    "kernel_us": round(statistics.median(kernel), 1),
                    "trace_us_min_median_max": trace_summary(trace, low_latency.TRACE_SLOTS,
                                                             low_latency.TRACE_MEANING[op])}
-            gathered = [None] * world
-            dist.all_gather_object(gathered, rec)
-            if rank == 0:
-                for r in gathered:
-                    print(json.dumps(r), flush=True)
-                results.extend(gathered)
+            report(rec, rank, results)
     torch.cuda.synchronize()
     dist.barrier()
     buf.destroy()
