@@ -35,6 +35,12 @@ def trace_summary(trace, slots, meaning):
     out = {}
     for i, name in enumerate(slots):
         v = t[..., i]
+        if name == "count":   # a number per warp, not a time
+            v = v[live & (v > 0)]
+            if v.numel():
+                out[f"count ({meaning.get(name, name)}): total, min / median / max of warps with any"] = [
+                    int(v.sum()), int(v.min()), int(v.median()), int(v.max())]
+            continue
         v = v[live & (v > 0)]
         if v.numel() == 0:
             continue
@@ -47,6 +53,8 @@ def trace_summary(trace, slots, meaning):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--raw", action="store_true",
+                        help="also save every rank's stamp rows (torch.save, [blocks, warps, slots] per case) under --out")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -59,7 +67,7 @@ def main():
                         low_latency_mode=True, explicitly_destroy=True)
     flush = torch.empty(128 << 20, dtype=torch.int8, device="cuda")
     torch.manual_seed(rank)
-    results = []
+    results, raw = [], {}
     for N in (T, 1):
         x = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
         topk_idx = torch.randn(N, E, device="cuda").abs().add(1).topk(K, dim=1).indices.to(epcomm.topk_idx_t)
@@ -78,6 +86,7 @@ def main():
                 for _ in range(3):
                     _aligned_times(fn, 1, flush, sleep_first=True)
                 trace = low_latency.last_trace(torch.cuda.current_device())
+                raw[f"{op} N={N}"] = trace
             finally:
                 low_latency.set_tracing(False)
             rec = {"case": f"{op} N={N} T={T} H={H} K={K} E={E}", "rank": rank,
@@ -88,6 +97,8 @@ def main():
     torch.cuda.synchronize()
     dist.barrier()
     buf.destroy()
+    if args.raw and args.out:
+        torch.save({"slots": low_latency.TRACE_SLOTS, "traces": raw}, os.path.join(args.out, f"low_latency_trace_rank{rank}.pt"))
     if rank == 0 and args.out:
         with open(os.path.join(args.out, "low_latency_trace.json"), "w") as f:
             json.dump(results, f, indent=1)

@@ -112,7 +112,7 @@ struct CombineParams {
     unsigned long long *partial_tags;  // [R][T]: one per (expert rank, token)
     unsigned long long *map_flags;     // [E_l][R]: the row map of (local expert, source) is built
     char *records;                     // [R][T][kRecordBytes], by source rank (never from this rank)
-    char *partials;                    // [R][T][H] f32, by expert rank
+    char *partials;                    // [R][T][H] f32, by expert rank, channels in PartialLayout order
     char *record_stage;                // [T][kRecordBytes], source of puts
     char *partial_stage;               // [R][T][H] f32, by source rank, source of puts
     int *row_map;                      // [R][E_l][T]: packed row of (source, local expert, token), -1 = none
@@ -129,6 +129,17 @@ struct CombineParams {
 static_assert(sizeof(CombineParams) == 224, "mirrored by epcomm.ops.low_latency.CombineParams");
 // A combine top-k record: K expert ids (i32), then K weights (f32); sized for MAX_TOPK = 32.
 constexpr int kRecordBytes = 256;
+// Channel order of a partial sum (fp32, private to the combine kernel): a thread sums a chunk of 8
+// channels (one 16-byte bf16 load per row) and writes its 32 bytes as two 16-byte halves. Channels
+// 8c..8c+3 go to unit c, channels 8c+4..8c+7 to unit kChunks + c, so each of a warp's two store
+// instructions covers 512 contiguous bytes (whole sectors). In natural order each instruction
+// wrote half of every 32-byte sector, and a store to a peer crosses NVLink sector by sector.
+template <int kHidden> struct PartialLayout {
+    static constexpr int kChunks = kHidden / 8;
+    static constexpr long long kBytes = 4ll * kHidden;
+    __device__ static int4 *lo(char *partial, int c) { return reinterpret_cast<int4 *>(partial) + c; }
+    __device__ static int4 *hi(char *partial, int c) { return reinterpret_cast<int4 *>(partial) + kChunks + c; }
+};
 // epcomm.ops.low_latency.COMBINE_PHASES
 enum CombinePhase { kPhaseRelease, kPhaseRecord, kPhaseRowMap, kPhasePartial, kPhaseSendEnd };
 
@@ -165,7 +176,7 @@ __device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, co
     };
     // The first round is read and cast before the release wait (no remote write yet), so that
     // round trip overlaps the loads of x.
-    int expert;
+    int expert, sent = 0;
     load_round(first_round, expert);
     wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);   // ends with __syncthreads
     trace_stamp(p.trace, kTrReleased);
@@ -197,16 +208,19 @@ __device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, co
                 warp_copy<16>(reinterpret_cast<int4 *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_msg)),
                               M::kBytes / 16, lane, [&](int i) { return src[i]; });
                 __syncwarp();
+                trace_first(p.trace, kTrAuxA);
                 if (lane == 0)
                     st_release_sys(reinterpret_cast<unsigned long long *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_tag)), epoch);
+                trace_first(p.trace, kTrAuxB);
             } else {
                 __threadfence_system();   // the stage (written by the group) before the transport reads it
                 nvshmemx_putmem_signal_nbi_warp(local_msg, stage, M::kBytes, reinterpret_cast<uint64_t *>(local_tag),
                                                 epoch, NVSHMEM_SIGNAL_SET, dst);
             }
+            ++sent;
         }
     }
-
+    trace_count(p.trace, sent);
     trace_stamp(p.trace, kTrSendA);
     // Token lists, one expert per warp, the warps without messages first. Each warp then ends the
     // send part on its own (finish_send) and, in a fused launch, starts receiving.
@@ -252,6 +266,7 @@ __device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, co
         count = min(count, kMaxTokens);   // only reachable with repeated experts (validated on the host)
         if (lane == 0) reinterpret_cast<int *>(list)[0] = count;
         __syncwarp();
+        trace_stamp(p.trace, kTrAuxC);
         unsigned long long *local_tag = p.list_tags + pair;
         if (direct) {
             if (lane == 0)
@@ -490,7 +505,7 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
     constexpr int kGroupThreads = kThreads / kItemGroups, kGroupWarps = kGroupThreads / 32;
     static_assert(kThreads % (32 * kItemGroups) == 0 && kItemGroups < 16, "whole warps per group, hardware barriers 1..15");
     constexpr int kRowBytes = kHidden * 2, kChunks = kHidden / 8, kBatch = 8, kPerThread = 2;
-    constexpr long long kPartialBytes = 4ll * kHidden;
+    constexpr long long kPartialBytes = PartialLayout<kHidden>::kBytes;
     constexpr unsigned kAll = 0xffffffffu;
     const int lane = lane_id(), group = warp_id() / kGroupWarps, warp = warp_id() % kGroupWarps;
     const int tid = threadIdx.x % kGroupThreads;   // within the group
@@ -499,7 +514,7 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
     const bool shrink = p.enable_shrink != 0;
     auto source_of = [&](int i) { return (p.rank + 1 + i / kMaxTokens) % kRanks; };   // own tokens last
     auto direct = [&](int src) { return src == p.rank || s.peer_base[src] != 0; };
-    int pending = 0;   // group-uniform
+    int pending = 0, sent = 0;   // group-uniform
     auto flush = [&] {   // after a group barrier
         if (warp == 0 && pending > 0) {
             fence_acq_rel_sys();   // (every lane) the group's stores, ordered before this by the barrier, before tags / puts
@@ -576,6 +591,7 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
             failed = __any_sync(kAll, failed);
             local = __any_sync(kAll, local);
             if (lane == 0) item.state = failed ? kItemFailed : local ? kItemSend : kItemSkip;
+            if (local) trace_first(p.trace, kTrAuxA);
         }
         sync();
         const int state = item.state;
@@ -625,20 +641,23 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
                 for (int q = 0; q < kPerThread; ++q) {
                     const int c = c0 + q * kGroupThreads;
                     if (c >= kChunks) break;
-                    int4 *out = reinterpret_cast<int4 *>(dst + 32ll * c);
-                    st_cg_v4(out, make_int4(__float_as_int(acc[q][0]), __float_as_int(acc[q][1]), __float_as_int(acc[q][2]),
-                                            __float_as_int(acc[q][3])));
-                    st_cg_v4(out + 1, make_int4(__float_as_int(acc[q][4]), __float_as_int(acc[q][5]), __float_as_int(acc[q][6]),
-                                                __float_as_int(acc[q][7])));
+                    st_cg_v4(PartialLayout<kHidden>::lo(dst, c), make_int4(__float_as_int(acc[q][0]), __float_as_int(acc[q][1]),
+                                                                           __float_as_int(acc[q][2]), __float_as_int(acc[q][3])));
+                    st_cg_v4(PartialLayout<kHidden>::hi(dst, c), make_int4(__float_as_int(acc[q][4]), __float_as_int(acc[q][5]),
+                                                                           __float_as_int(acc[q][6]), __float_as_int(acc[q][7])));
                 }
             }
+            trace_first(p.trace, kTrAuxB);
             if (tid == 0) item.pending[pending] = i;
             ++pending;
+            ++sent;
         }
         sync();   // the item table is rewritten next; the pending list before a flush
         if (pending == 32) flush();
     }
+    trace_stamp(p.trace, kTrAuxC);
     flush();
+    if (warp == 0) trace_count(p.trace, sent);
 }
 
 // Source side: one block per token; in each warp the first lane naming each live expert rank waits
@@ -651,7 +670,7 @@ __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s
     // Each thread sums kPerThread chunks of 8 channels (kThreads apart), kBatch ranks per step:
     // 2 x 16-byte loads per partial and chunk, 16 loads in flight per thread.
     constexpr int kRowBytes = kHidden * 2, kChunks = kHidden / 8, kBatch = 4, kPerThread = 2;
-    constexpr long long kPartialBytes = 4ll * kHidden;
+    constexpr long long kPartialBytes = PartialLayout<kHidden>::kBytes;
     constexpr unsigned kAll = 0xffffffffu;
     const int warp = warp_id(), lane = lane_id();
     const bool shrink = p.enable_shrink != 0;
@@ -704,9 +723,9 @@ __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s
                     for (int b = 0; b < kBatch; ++b) {
                         v[q][b][0] = v[q][b][1] = make_int4(0, 0, 0, 0);
                         if (c < kChunks && j0 + b < count) {
-                            const char *partial = p.partials + (static_cast<long long>(ranks[warp][j0 + b]) * kMaxTokens + t) * kPartialBytes + 32ll * c;
-                            v[q][b][0] = ld_cg_v4(partial);
-                            v[q][b][1] = ld_cg_v4(partial + 16);
+                            char *partial = p.partials + (static_cast<long long>(ranks[warp][j0 + b]) * kMaxTokens + t) * kPartialBytes;
+                            v[q][b][0] = ld_cg_v4(PartialLayout<kHidden>::lo(partial, c));
+                            v[q][b][1] = ld_cg_v4(PartialLayout<kHidden>::hi(partial, c));
                         }
                     }
                 }

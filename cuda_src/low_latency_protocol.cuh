@@ -105,20 +105,37 @@ constexpr bool kTrace = true;
 #else
 constexpr bool kTrace = false;
 #endif
-constexpr int kTraceSlots = 10;
+constexpr int kTraceSlots = 14;
 // Dispatch: start, released, messages sent, lists sent, send part done, receive start, first
-// pair's lists ready, receive copies done, end. Combine: start, released, records sent, row maps
-// built, items done, send part done, receive start, first token's partials ready, receive done,
-// end (slot numbers below; unused slots stay 0).
+// pair's lists ready, receive copies done, end; then the first message's stores issued (before its
+// tag's release store), that release store done, a list's scan done (before its tag), and the
+// number of messages the warp sent. Combine: start, released, records sent, row maps built, items
+// done, send part done, receive start, first token's partials ready, receive done, end; then the
+// group's first item ready (record and row map seen), its sum stored, the last flush started (its
+// fence before the tags), and the number of items the group sent (slot numbers below; unused
+// slots stay 0; `count` holds a number, not a time).
 enum TraceSlot : int {
     kTrStart = 0, kTrReleased = 1, kTrSendA = 2, kTrSendB = 3, kTrSendC = 4, kTrSendDone = 5,
-    kTrRecvStart = 6, kTrRecvReady = 7, kTrRecvDone = 8, kTrEnd = 9
+    kTrRecvStart = 6, kTrRecvReady = 7, kTrRecvDone = 8, kTrEnd = 9, kTrAuxA = 10, kTrAuxB = 11, kTrAuxC = 12,
+    kTrCount = 13
 };
+__device__ __forceinline__ unsigned long long *trace_slot(unsigned long long *trace, int slot) {
+    return trace + (static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + warp_id()) * kTraceSlots + slot;
+}
 __device__ __forceinline__ void trace_stamp(unsigned long long *trace, int slot) {
     if constexpr (kTrace) {
-        if (trace != nullptr && lane_id() == 0)
-            trace[(static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + warp_id()) * kTraceSlots + slot] =
-                globaltimer_ns();
+        if (trace != nullptr && lane_id() == 0) *trace_slot(trace, slot) = globaltimer_ns();
+    }
+}
+// The first stamp of a slot this warp reaches more than once.
+__device__ __forceinline__ void trace_first(unsigned long long *trace, int slot) {
+    if constexpr (kTrace) {
+        if (trace != nullptr && lane_id() == 0 && *trace_slot(trace, slot) == 0) *trace_slot(trace, slot) = globaltimer_ns();
+    }
+}
+__device__ __forceinline__ void trace_count(unsigned long long *trace, unsigned long long n) {
+    if constexpr (kTrace) {
+        if (trace != nullptr && lane_id() == 0) *trace_slot(trace, kTrCount) = n;
     }
 }
 
@@ -213,24 +230,28 @@ __device__ void wait_released(BlockState<kRanks> &s, const Guard &g, const unsig
 
 // End of a launch's send part, warp by warp: no block barrier, so in a fused launch a warp with
 // nothing (left) to send starts receiving at once. The block's last warp to get here takes the
-// grid ticket for its block; the grid's last one resets the ticket and, with `claims` (combine),
-// the claims (no block of the launch claims any more), then stores the new send count (read by the
-// next launch, or by finish_recv's wait below). Each warp's lane 0 fences before counting itself,
-// after a __syncwarp, so everything its warp wrote precedes the count; the last warp fences again
-// after reading it (acquire side) before the ticket, and once more so the resets precede the count.
-template <int kRanks, int kWarps, bool kClaims>
+// grid ticket for its block; the grid's last one resets the ticket and stores the new send count,
+// which the next launch reads (a kernel boundary orders it). kCombine (the combine's send part)
+// also resets the claims, and orders everything the part wrote and read before the count, which
+// the same launch's finish_recv waits for (the records may be overwritten once it acknowledges):
+// each warp's lane 0 fences before counting itself, the last warp fences again after reading it
+// (acquire side) before the ticket, and once more so the resets precede the count. The dispatch
+// needs none of these fences: each one waited for the warp's outstanding NVLink stores.
+template <int kRanks, int kWarps, bool kCombine>
 __device__ void finish_send(BlockState<kRanks> &s, unsigned int *counters, unsigned long long *epoch,
                             unsigned long long value) {
     __syncwarp();
     if (lane_id() != 0) return;
-    __threadfence();
+    if (kCombine) __threadfence();
     if (atomicAdd(&s.send_done, 1) != kWarps - 1) return;
-    __threadfence();
+    if (kCombine) __threadfence();
     if (atomicAdd(counters + kTicketSend, 1u) != gridDim.x - 1) return;
-    __threadfence();
+    if (kCombine) __threadfence();
     counters[kTicketSend] = 0;
-    if (kClaims) counters[kClaimRecords] = counters[kClaimMaps] = counters[kClaimItems] = 0;
-    __threadfence();
+    if (kCombine) {
+        counters[kClaimRecords] = counters[kClaimMaps] = counters[kClaimItems] = 0;
+        __threadfence();
+    }
     *epoch = value;
 }
 

@@ -158,6 +158,17 @@ def test_representative_kernels_compile_and_link(arch_sm, feature):
     assert set(built.lowered) == set(kernels)
 
 
+@pytest.mark.slow
+def test_trace_builds_compile_and_link():
+    """The profiling builds (EPCOMM_LL_TRACE: bench/low_latency_trace.py) of both kernels, sm_90."""
+    sources = (ll.dispatch_source(7168, 8, 2, 288, 128, True, False, False, trace=True),
+               ll.combine_source(7168, 8, 2, 288, 128, trace=True))
+    kernels = tuple(k for src in sources for k in src.kernels)
+    built = compiler.compile_cubin(compiler.KernelSource("low_latency.cu", kernels, sources[0].defines,
+                                                         uses_nvshmem=True), 90, 90)
+    assert set(built.lowered) == set(kernels)
+
+
 def _combine_send_model(rnd, ranks, grid, resident, tokens, pairs, warps, fused, claims=True, needs=None):
     """The combine send part (then, fused, the receive part) on every rank, blocks scheduled at
     random with at most `resident` blocks of a rank running, the others started in blockIdx order

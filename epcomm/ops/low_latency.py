@@ -92,11 +92,15 @@ def combine_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int,
 # here (cuda_src/low_latency_protocol.cuh, TraceSlot); last_trace() returns the latest launch's.
 # The environment is read once, at import (a read per call costs ~2.5 us); set_tracing switches.
 TRACE_SLOTS = ["start", "released", "send_a", "send_b", "send_c", "send_done", "recv_start", "recv_ready",
-               "recv_done", "end"]
+               "recv_done", "end", "aux_a", "aux_b", "aux_c", "count"]
 TRACE_MEANING = {"dispatch": {"send_a": "messages sent", "send_b": "lists sent",
-                              "recv_ready": "first pair's lists ready"},
+                              "recv_ready": "first pair's lists ready", "aux_a": "first message's stores issued",
+                              "aux_b": "first message's release store done", "aux_c": "a list scanned",
+                              "count": "messages sent by the warp"},
                  "combine": {"send_a": "records sent", "send_b": "row maps built", "send_c": "items done",
-                             "recv_ready": "first token's partials ready"}}
+                             "recv_ready": "first token's partials ready", "aux_a": "group's first item ready",
+                             "aux_b": "group's first sum stored", "aux_c": "last flush started",
+                             "count": "items the group sent"}}
 _tracing_on = env.ll_trace()
 _TRACE = TraceRows(THREADS // 32, len(TRACE_SLOTS))
 last_trace = _TRACE.last   # [blocks, warps, len(TRACE_SLOTS)] of the latest traced launch
