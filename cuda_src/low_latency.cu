@@ -19,16 +19,17 @@
 // on a set first waits (bounded) until each destination acknowledged n-1 receives there, so a slow
 // peer's unread data is never overwritten, whatever order sends and hooks are called in.
 //
-// Dispatch. Send part: each block casts its tokens (FP8 e4m3 with per-128-channel scales, or BF16)
-// into shared memory once (before waiting for the release, so that round trip overlaps the loads)
-// and writes each token ONCE per destination rank holding any of its top-k experts, into the
-// destination's slot [source rank][token] (a token with 4 experts on a peer crosses NVLink once, not
-// 4 times). Then, per expert, one warp writes the ascending list of this rank's tokens routed there
-// (a token appears once per top-k slot naming the expert) and its length: the list tells the
-// receiver which tokens each expert takes and where each row goes. Receive part: for every (local
-// expert, source) pair a group of warps waits for the lists of sources <= that source (prefix =
-// first row), then for each listed token's message tag, and copies the message (payload and scales
-// in one batch of loads) into the packed output.
+// Dispatch. Send part: each block casts its first tokens (FP8 e4m3 with per-128-channel scales, or
+// BF16) into shared memory (before waiting for the release, so that round trip overlaps the loads).
+// Then, per expert, one warp writes the ascending list of this rank's tokens routed there (a token
+// appears once per top-k slot naming the expert) and its length: the list tells the receiver which
+// tokens each expert takes and where each row goes. The lists go first, so that they do not queue
+// behind the messages on the link. Then each token is written ONCE per destination rank holding any
+// of its top-k experts, into the destination's slot [source rank][token] (a token with 4 experts on
+// a peer crosses NVLink once, not 4 times). Receive part: for every (local expert, source) pair a
+// group of warps waits for the lists of sources <= that source (prefix = first row), then for each
+// listed token's message tag, and copies the message (payload and scales in one batch of loads)
+// into the packed output.
 //
 // Combine. A token's rows on one expert rank are summed THERE, so one fp32 partial sum per (token,
 // expert rank) crosses the link instead of one bf16 row per (token, expert): with K=8 of 288 experts
@@ -181,51 +182,12 @@ __device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, co
     wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);   // ends with __syncthreads
     trace_stamp(p.trace, kTrReleased);
     if (s.abort) return;
-    for (int first = first_round; first < p.num_tokens; first += token_stride) {
-        if (first != first_round) {
-            __syncthreads();   // the previous round's messages have left shared memory
-            load_round(first, expert);
-            __syncthreads();
-        }
-        const int t = first + group;
-        const bool mine = group < per_round && t < p.num_tokens;
-        const char *msg = smem + group * M::kBytes;
-        char *stage = p.message_stage + static_cast<long long>(t) * M::kBytes;
-        if (p.stage_for_puts) {   // puts read the symmetric heap: the group copies the message there
-            if (mine)
-                for (int i = in_group * 32 + lane; i < M::kBytes / 16; i += warps_per_token * 32)
-                    reinterpret_cast<int4 *>(stage)[i] = reinterpret_cast<const int4 *>(msg)[i];
-            __syncthreads();
-        }
-        if (!mine) continue;
-        const long long slot = static_cast<long long>(p.rank) * kMaxTokens + t;
-        char *local_msg = p.messages + slot * M::kBytes;
-        unsigned long long *local_tag = p.token_tags + slot;
-        for (int dst = in_group; dst < kRanks; dst += warps_per_token) {
-            if (!__any_sync(kAll, expert >= 0 && expert / kLocalExperts == dst) || s.masked[dst]) continue;
-            if (dst == p.rank || s.peer_base[dst] != 0) {
-                const int4 *src = reinterpret_cast<const int4 *>(msg);
-                warp_copy<16>(reinterpret_cast<int4 *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_msg)),
-                              M::kBytes / 16, lane, [&](int i) { return src[i]; });
-                __syncwarp();
-                trace_first(p.trace, kTrAuxA);
-                if (lane == 0)
-                    st_release_sys(reinterpret_cast<unsigned long long *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_tag)), epoch);
-                trace_first(p.trace, kTrAuxB);
-            } else {
-                __threadfence_system();   // the stage (written by the group) before the transport reads it
-                nvshmemx_putmem_signal_nbi_warp(local_msg, stage, M::kBytes, reinterpret_cast<uint64_t *>(local_tag),
-                                                epoch, NVSHMEM_SIGNAL_SET, dst);
-            }
-            ++sent;
-        }
-    }
-    trace_count(p.trace, sent);
-    trace_stamp(p.trace, kTrSendA);
-    // Token lists, one expert per warp, the warps without messages first. Each warp then ends the
-    // send part on its own (finish_send) and, in a fused launch, starts receiving.
-    const int total = kWarps * gridDim.x;
-    for (int e = (kWarps - 1 - warp) * gridDim.x + blockIdx.x; e < kExperts; e += total) {
+    // Token lists first, one expert per warp (the warps without messages first), then the messages.
+    // A store to a peer waits behind every store the SM issued to it before, so lists written
+    // after (or beside) the messages reached the receivers only once the link had drained the
+    // messages (traced on 2 x H200: lists seen ~9 us after the release, the messages' own tags ~6).
+    const int total = kWarps * gridDim.x, first_expert = (kWarps - 1 - warp) * gridDim.x + blockIdx.x;
+    for (int e = first_expert; e < kExperts; e += total) {
         const int dst = e / kLocalExperts;
         if (s.masked[dst]) continue;
         const long long pair = static_cast<long long>(e % kLocalExperts) * kRanks + p.rank;
@@ -267,17 +229,63 @@ __device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, co
         if (lane == 0) reinterpret_cast<int *>(list)[0] = count;
         __syncwarp();
         trace_stamp(p.trace, kTrAuxC);
-        unsigned long long *local_tag = p.list_tags + pair;
-        if (direct) {
-            if (lane == 0)
-                st_release_sys(reinterpret_cast<unsigned long long *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_tag)), epoch);
-        } else {
+        if (!direct) {
             __threadfence_system();
             nvshmemx_putmem_signal_nbi_warp(local_list, list, kListHeaderBytes + 4 * count,
-                                            reinterpret_cast<uint64_t *>(local_tag), epoch, NVSHMEM_SIGNAL_SET, dst);
+                                            reinterpret_cast<uint64_t *>(p.list_tags + pair), epoch, NVSHMEM_SIGNAL_SET, dst);
         }
     }
+    __syncthreads();   // every list store of the block is issued before its first message store
     trace_stamp(p.trace, kTrSendB);
+    // The direct lists' tags (each release store waits only for its warp's list stores, ahead of
+    // the messages); then, each warp on its own, the messages.
+    for (int e = first_expert; e < kExperts; e += total) {
+        const int dst = e / kLocalExperts;
+        if (s.masked[dst] || !(dst == p.rank || s.peer_base[dst] != 0) || lane != 0) continue;
+        const long long pair = static_cast<long long>(e % kLocalExperts) * kRanks + p.rank;
+        st_release_sys(reinterpret_cast<unsigned long long *>(on_peer(p.heap, s.peer_base, p.rank, dst, p.list_tags + pair)), epoch);
+    }
+    for (int first = first_round; first < p.num_tokens; first += token_stride) {
+        if (first != first_round) {
+            __syncthreads();   // the previous round's messages have left shared memory
+            load_round(first, expert);
+            __syncthreads();
+        }
+        const int t = first + group;
+        const bool mine = group < per_round && t < p.num_tokens;
+        const char *msg = smem + group * M::kBytes;
+        char *stage = p.message_stage + static_cast<long long>(t) * M::kBytes;
+        if (p.stage_for_puts) {   // puts read the symmetric heap: the group copies the message there
+            if (mine)
+                for (int i = in_group * 32 + lane; i < M::kBytes / 16; i += warps_per_token * 32)
+                    reinterpret_cast<int4 *>(stage)[i] = reinterpret_cast<const int4 *>(msg)[i];
+            __syncthreads();
+        }
+        if (!mine) continue;
+        const long long slot = static_cast<long long>(p.rank) * kMaxTokens + t;
+        char *local_msg = p.messages + slot * M::kBytes;
+        unsigned long long *local_tag = p.token_tags + slot;
+        for (int dst = in_group; dst < kRanks; dst += warps_per_token) {
+            if (!__any_sync(kAll, expert >= 0 && expert / kLocalExperts == dst) || s.masked[dst]) continue;
+            if (dst == p.rank || s.peer_base[dst] != 0) {
+                const int4 *src = reinterpret_cast<const int4 *>(msg);
+                warp_copy<16>(reinterpret_cast<int4 *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_msg)),
+                              M::kBytes / 16, lane, [&](int i) { return src[i]; });
+                __syncwarp();
+                trace_first(p.trace, kTrAuxA);
+                if (lane == 0)
+                    st_release_sys(reinterpret_cast<unsigned long long *>(on_peer(p.heap, s.peer_base, p.rank, dst, local_tag)), epoch);
+                trace_first(p.trace, kTrAuxB);
+            } else {
+                __threadfence_system();   // the stage (written by the group) before the transport reads it
+                nvshmemx_putmem_signal_nbi_warp(local_msg, stage, M::kBytes, reinterpret_cast<uint64_t *>(local_tag),
+                                                epoch, NVSHMEM_SIGNAL_SET, dst);
+            }
+            ++sent;
+        }
+    }
+    trace_count(p.trace, sent);
+    trace_stamp(p.trace, kTrSendA);
 }
 
 template <int kHidden, int kRanks, int kExperts, int kMaxTokens, bool kFP8, bool kUE8M0, int kThreads>
@@ -370,25 +378,22 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
 }
 
 // ==== combine ====================================================================================
-// The send part takes its work from the set's claim counters (claim): first the records of every
+// The send part takes its work from the set's claim counters (warp_claim): first the records of every
 // token slot, then the row maps, then the (source, token) items; the launch's last block resets
-// the counters (finish_send). So the blocks that are running, however few (another kernel may hold
-// SMs: hook mode, a second micro-batch on another stream), do every record and map before any of
-// them waits for a record or a map, and no wait ever depends on a block that is not resident.
+// the counters (finish_send). So the warps that are running, however few blocks (another kernel may
+// hold SMs: hook mode, a second micro-batch on another stream), do every record and map before any
+// of them waits for a record or a map, and no wait ever depends on a block that is not resident.
 
 // Source side: every other live rank gets this rank's top-k record of every token slot t < T (slots
 // t >= N name no expert), so each expert rank knows exactly which partial sums to make, with the
 // combine-time weights, whatever the routing was (this rank's own items read topk_idx and
 // topk_weights directly). One token per warp and claim; direct ranks: stores, one fence, then the
 // tags; other ranks: a put with signal from the record stage.
-template <int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT, int kThreads>
-__device__ void combine_send_records(const CombineParams &p, BlockState<kRanks> &s, unsigned long long epoch) {
-    constexpr int kWarps = kThreads / 32;
+template <int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT>
+__device__ void combine_send_records(const CombineParams &p, const BlockState<kRanks> &s, unsigned long long epoch) {
     const int lane = lane_id();
     unsigned int *counter = p.tickets + kClaimRecords;
-    for (int base = claim(s, counter, kWarps); base < kMaxTokens; base = claim(s, counter, kWarps)) {
-        const int t = base + warp_id();
-        if (t >= kMaxTokens) continue;
+    for (int t = warp_claim(counter); t < kMaxTokens; t = warp_claim(counter)) {
         int e = -1;
         float w = 0.0f;
         if (lane < kTopK && t < p.num_tokens) {
@@ -434,44 +439,45 @@ __device__ void combine_send_records(const CombineParams &p, BlockState<kRanks> 
 
 // Expert side, local memory only: the row map of each (local expert, source) pair, one pair per
 // warp and claim, then the pair's flag. A token listed twice in a pair (an expert named in two
-// top-k slots) maps to its last row, as in the oracle. The mapped rows are pulled into L2 on the
-// way, so the partial sums read them from L2 once the records arrive. After the release wait: the
-// set's previous send part (which read the maps) has ended.
-template <int kHidden, int kRanks, int kExperts, int kMaxTokens, int kThreads>
-__device__ void combine_build_map(const CombineParams &p, BlockState<kRanks> &s, unsigned long long epoch) {
+// top-k slots) maps to its last row, as in the oracle. After the flag, the mapped rows are pulled
+// into L2 (prefetches issued before the flag delayed it by microseconds), so the partial sums
+// mostly read them from L2. After the release wait: the set's previous send part (which read the
+// maps) has ended.
+template <int kHidden, int kRanks, int kExperts, int kMaxTokens>
+__device__ void combine_build_map(const CombineParams &p, unsigned long long epoch) {
     constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens, kPairs = kLocalExperts * kRanks;
-    constexpr int kRowBytes = kHidden * 2, kLines = (kRowBytes + 127) / 128, kWarps = kThreads / 32;
+    constexpr int kRowBytes = kHidden * 2, kLines = (kRowBytes + 127) / 128;
     const int lane = lane_id();
     unsigned int *counter = p.tickets + kClaimMaps;
-    for (int base = claim(s, counter, kWarps); base < kPairs; base = claim(s, counter, kWarps)) {
-        const int pair = base + warp_id();
-        if (pair >= kPairs) continue;
+    for (int pair = warp_claim(counter); pair < kPairs; pair = warp_claim(counter)) {
         const int el = pair / kRanks, src = pair % kRanks;
         int *map = p.row_map + (static_cast<long long>(src) * kLocalExperts + el) * kMaxTokens;
         for (int t = lane; t < kMaxTokens; t += 32) map[t] = -1;
         __syncwarp();   // the -1s before other lanes' rows for the same tokens
         const long long range = __ldg(p.layout_range + pair);
-        const long long begin = range >> 32, count = range & 0xffffffffll;
-        if (begin >= 0 && begin + count <= kSlots) {   // otherwise not a handle of this shape: no rows
-            const int *info = p.src_info + static_cast<long long>(el) * kSlots + begin;
-            for (long long i = lane; i < count; i += 32) {
-                const int t = __ldg(info + i);
-                if (t < 0 || t >= kMaxTokens || (i + 1 < count && __ldg(info + i + 1) == t)) continue;
-                map[t] = static_cast<int>(begin + i);
-                const char *row = static_cast<const char *>(p.x) + (static_cast<long long>(el) * kSlots + begin + i) * kRowBytes;
-                for (int l = 0; l < kLines; ++l) prefetch_l2(row + 128 * l);
-            }
+        long long begin = range >> 32, count = range & 0xffffffffll;
+        if (begin < 0 || begin + count > kSlots) begin = count = 0;   // not a handle of this shape: no rows
+        const int *info = p.src_info + static_cast<long long>(el) * kSlots + begin;
+        for (long long i = lane; i < count; i += 32) {
+            const int t = __ldg(info + i);
+            if (t < 0 || t >= kMaxTokens || (i + 1 < count && __ldg(info + i + 1) == t)) continue;
+            map[t] = static_cast<int>(begin + i);
         }
         __syncwarp();   // every lane's entries before the flag
         if (lane == 0) st_release_gpu(p.map_flags + pair, epoch);
+        for (long long i = lane; i < count; i += 32) {
+            const char *row = static_cast<const char *>(p.x) + (static_cast<long long>(el) * kSlots + begin + i) * kRowBytes;
+            for (int l = 0; l < kLines; ++l) prefetch_l2(row + 128 * l);
+        }
     }
 }
 
 // What one group of warps knows about the (source, token) item it works on, its latest claim,
 // and its items whose tags are not sent yet.
 template <int kTopK> struct CombineItem {
-    long long row[kTopK];   // slot k's row in x (local expert * R*T + packed row), -1 = not here / none
-    float weight[kTopK];
+    long long row[kTopK];   // the rows in x (local expert * R*T + packed row) of the top-k slots naming a
+    float weight[kTopK];    // local expert that has one, slots ascending, and their weights
+    int rows;               // how many
     int state;
     int claim;
     int pending[32];
@@ -495,16 +501,19 @@ enum ItemState { kItemSkip, kItemSend, kItemFailed };
 // and stores the partial sum sum_k w_k * row_k (fp32, k ascending) into the source's slot
 // [this rank][token] (a direct store, or the stage of a put). Every 32 items and at the end: one
 // fence, then all their tags. An item whose ids name no local expert sends nothing: the source does
-// not wait for it.
+// not wait for it. Only the slots with a row here are summed (the oracle's +0 for the others leaves
+// an fp32 sum that starts at +0 unchanged), so with up to kBatch of them a thread's loads are all
+// in flight at once: one memory round trip per item.
 template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT, int kThreads>
 __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks> &s, const Guard &ctx,
                                       unsigned long long epoch, CombineItem<kTopK> *items) {
     constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens;
     // A group of kGroupThreads threads per item. Each thread sums kPerThread chunks of 8 channels
-    // (kGroupThreads apart), kBatch top-k rows per step: 16 row loads in flight per thread.
+    // (kGroupThreads apart), kBatch rows per step: 16 row loads in flight per thread (H=7168: every
+    // chunk of a row in one step).
     constexpr int kGroupThreads = kThreads / kItemGroups, kGroupWarps = kGroupThreads / 32;
     static_assert(kThreads % (32 * kItemGroups) == 0 && kItemGroups < 16, "whole warps per group, hardware barriers 1..15");
-    constexpr int kRowBytes = kHidden * 2, kChunks = kHidden / 8, kBatch = 8, kPerThread = 2;
+    constexpr int kRowBytes = kHidden * 2, kChunks = kHidden / 8, kBatch = 4, kPerThread = 4;
     constexpr long long kPartialBytes = PartialLayout<kHidden>::kBytes;
     constexpr unsigned kAll = 0xffffffffu;
     const int lane = lane_id(), group = warp_id() / kGroupWarps, warp = warp_id() % kGroupWarps;
@@ -540,7 +549,7 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
         pending = 0;
     };
     unsigned int *counter = p.tickets + kClaimItems;
-    auto claim_item = [&] {   // as claim(), for the group
+    auto claim_item = [&] {   // as warp_claim, for the group
         sync();   // every thread has read the previous claim
         if (tid == 0) item.claim = static_cast<int>(atomicAdd(counter, 1u));
         sync();
@@ -584,13 +593,18 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
                     }
                 }
             }
-            if (lane < kTopK) {
-                item.row[lane] = row;
-                item.weight[lane] = weight;
+            const unsigned with_row = __ballot_sync(kAll, row >= 0);   // lanes >= kTopK have none
+            if (row >= 0) {
+                const int j = __popc(with_row & ((1u << lane) - 1u));   // slots ascending
+                item.row[j] = row;
+                item.weight[j] = weight;
             }
             failed = __any_sync(kAll, failed);
             local = __any_sync(kAll, local);
-            if (lane == 0) item.state = failed ? kItemFailed : local ? kItemSend : kItemSkip;
+            if (lane == 0) {
+                item.rows = __popc(with_row);
+                item.state = failed ? kItemFailed : local ? kItemSend : kItemSkip;
+            }
             if (local) trace_first(p.trace, kTrAuxA);
         }
         sync();
@@ -600,39 +614,34 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
             const long long slot = static_cast<long long>(p.rank) * kMaxTokens + t;
             char *dst = direct(src) ? on_peer(p.heap, s.peer_base, p.rank, src, p.partials + slot * kPartialBytes)
                                     : p.partial_stage + (static_cast<long long>(src) * kMaxTokens + t) * kPartialBytes;
+            const int rows = item.rows;
             for (int c0 = tid; c0 < kChunks; c0 += kPerThread * kGroupThreads) {
                 float acc[kPerThread][8];
 #pragma unroll
                 for (int q = 0; q < kPerThread; ++q)
 #pragma unroll
                     for (int j = 0; j < 8; ++j) acc[q][j] = 0.0f;
-#pragma unroll
-                for (int k0 = 0; k0 < kTopK; k0 += kBatch) {
+                for (int j0 = 0; j0 < rows; j0 += kBatch) {
                     int4 v[kPerThread][kBatch];
 #pragma unroll
                     for (int q = 0; q < kPerThread; ++q) {
                         const int c = c0 + q * kGroupThreads;
 #pragma unroll
-                        for (int b = 0; b < kBatch; ++b) {
-                            const int k = k0 + b;
-                            v[q][b] = make_int4(0, 0, 0, 0);
-                            if (c < kChunks && k < kTopK && item.row[k] >= 0)
-                                v[q][b] = ld_nc_v4(reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + item.row[k] * kRowBytes) + c);
-                        }
+                        for (int b = 0; b < kBatch; ++b)
+                            if (c < kChunks && j0 + b < rows)
+                                v[q][b] = ld_nc_v4(reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + item.row[j0 + b] * kRowBytes) + c);
                     }
 #pragma unroll
                     for (int q = 0; q < kPerThread; ++q) {
 #pragma unroll
                         for (int b = 0; b < kBatch; ++b) {
-                            const int k = k0 + b;
-                            if (k >= kTopK) break;
-                            const bool used = item.row[k] >= 0;
-                            const float wk = item.weight[k];
+                            if (j0 + b >= rows) break;
+                            const float wk = item.weight[j0 + b];
                             const uint32_t u[4] = {(uint32_t)v[q][b].x, (uint32_t)v[q][b].y, (uint32_t)v[q][b].z, (uint32_t)v[q][b].w};
 #pragma unroll
-                            for (int j = 0; j < 4; ++j) {   // slots without a row here add +0, as the oracle's where(...)
-                                acc[q][2 * j] = __fadd_rn(acc[q][2 * j], used ? __fmul_rn(bf16_lo(u[j]), wk) : 0.0f);
-                                acc[q][2 * j + 1] = __fadd_rn(acc[q][2 * j + 1], used ? __fmul_rn(bf16_hi(u[j]), wk) : 0.0f);
+                            for (int j = 0; j < 4; ++j) {
+                                acc[q][2 * j] = __fadd_rn(acc[q][2 * j], __fmul_rn(bf16_lo(u[j]), wk));
+                                acc[q][2 * j + 1] = __fadd_rn(acc[q][2 * j + 1], __fmul_rn(bf16_hi(u[j]), wk));
                             }
                         }
                     }
@@ -772,10 +781,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
         wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);
         trace_stamp(p.trace, kTrReleased);
-        if (!s.abort) {   // block-uniform: every claim below is taken by the whole block
-            combine_send_records<kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, epoch);
+        if (!s.abort) {   // block-uniform: the item groups below sync on barriers
+            combine_send_records<kTopK, kRanks, kExperts, kMaxTokens, TopkT>(p, s, epoch);
             trace_stamp(p.trace, kTrSendA);
-            combine_build_map<kHidden, kRanks, kExperts, kMaxTokens, kThreads>(p, s, epoch);
+            combine_build_map<kHidden, kRanks, kExperts, kMaxTokens>(p, epoch);
             trace_stamp(p.trace, kTrSendB);
             combine_send_partials<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, items);
             trace_stamp(p.trace, kTrSendC);

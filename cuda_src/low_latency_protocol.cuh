@@ -166,14 +166,13 @@ __device__ __forceinline__ Wait wait_tag(const Guard &g, const unsigned long lon
     }
 }
 
-// Shared state of one block: peer bases and mask snapshot, the abort flag, how many of its warps
-// finished the send part (finish_send), and the block's latest claim (claim).
+// Shared state of one block: peer bases and mask snapshot, the abort flag, and how many of its
+// warps finished the send part (finish_send).
 template <int kRanks> struct BlockState {
     long long peer_base[kRanks];
     int masked[kRanks];
     int abort;
     int send_done;
-    int claim;
 };
 
 // The u32 counters of a buffer set (Params::tickets, epcomm.ops.low_latency_layout.Layout.tickets):
@@ -182,16 +181,15 @@ template <int kRanks> struct BlockState {
 // receive ticket.
 enum Counter { kTicketSend, kTicketRecv, kClaimRecords, kClaimMaps, kClaimItems, kCounters = 8 };
 
-// Block-wide claim of `n` units of this launch's work: thread 0's atomicAdd on the counter, shared
-// through BlockState. Work taken in atomicAdd order goes to whichever blocks are running, so a
-// block never waits for work that only a block not (yet) resident would do: a launch may get fewer
-// SMs than blocks while another kernel holds some. Every thread of the block must call it.
-template <int kRanks>
-__device__ __forceinline__ int claim(BlockState<kRanks> &s, unsigned int *counter, int n) {
-    __syncthreads();   // every thread has read the previous claim
-    if (threadIdx.x == 0) s.claim = static_cast<int>(atomicAdd(counter, static_cast<unsigned int>(n)));
-    __syncthreads();
-    return s.claim;
+// A warp's claim of the next unit of this launch's work: lane 0's atomicAdd on the counter. Work
+// taken in atomicAdd order goes to whichever warps are running, so no warp ever waits for work
+// that only a block not (yet) resident would do: a launch may get fewer SMs than blocks while
+// another kernel holds some. One unit per warp spreads the work over every running SM (claims of
+// a whole block's warps put the 128 records of N=128 on 8 SMs and the 288 row maps on 18).
+__device__ __forceinline__ int warp_claim(unsigned int *counter) {
+    int v = 0;
+    if (lane_id() == 0) v = static_cast<int>(atomicAdd(counter, 1u));
+    return __shfl_sync(0xffffffffu, v, 0);
 }
 
 template <int kRanks>

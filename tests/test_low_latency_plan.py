@@ -36,7 +36,9 @@ def test_shapes_mirror_cpp():
     TRACE_SLOTS names the kernels' trace slots in order."""
     lines = ['#include "low_latency.cu"',
              f'static_assert(4 * epcomm::ll::kCounters == {lay.TICKET_BYTES}, "per-set u32 counters");',
-             f'static_assert(epcomm::ll::kTraceSlots == {len(ll.TRACE_SLOTS)}, "trace slots");']
+             f'static_assert(epcomm::ll::kTraceSlots == {len(ll.TRACE_SLOTS)}, "trace slots");',
+             f'static_assert(epcomm::ll::kRecordBytes == {lay.RECORD_BYTES}, "combine record bytes");',
+             f'static_assert(epcomm::ll::kListHeaderBytes == {lay.LIST_HEADER_BYTES}, "dispatch list header");']
     for i, name in enumerate(ll.TRACE_SLOTS):   # "send_a" -> kTrSendA
         enum = "kTr" + "".join(part.capitalize() for part in name.split("_"))
         lines.append(f'static_assert(epcomm::ll::{enum} == {i}, "trace slot {name}");')
@@ -172,9 +174,9 @@ def test_trace_builds_compile_and_link():
 def _combine_send_model(rnd, ranks, grid, resident, tokens, pairs, warps, fused, claims=True, needs=None):
     """The combine send part (then, fused, the receive part) on every rank, blocks scheduled at
     random with at most `resident` blocks of a rank running, the others started in blockIdx order
-    as running ones exit (a launch that another kernel's SMs leave short). claims: records (warps
-    per claim), maps (warps per claim), items (one per claim) from the rank's counters, as the
-    kernel; otherwise the old static split by blockIdx. Each item needs the source's record (not for
+    as running ones exit (a launch that another kernel's SMs leave short). claims: records and maps
+    (`warps` units per step of a block: the kernel's warps each claim one), items (one per claim)
+    from the rank's counters, as the kernel; otherwise the old static split by blockIdx. Each item needs the source's record (not for
     this rank's own) and one random map pair of this rank; a fused block then waits for every
     rank's partial of its tokens t = blockIdx + j * grid. -> True if every block finished."""
     if needs is None:
