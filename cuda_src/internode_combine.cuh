@@ -11,7 +11,8 @@ template <int kRanks, int kLocal, int kRowInt4>
 struct Combine {
     static constexpr int kNodes = kRanks / kLocal;
     static constexpr int kRowBytes = kRowInt4 * 16;            // bf16 row
-    static constexpr int kPartialRowBytes = 2 * kRowBytes;     // fp32 row
+    static constexpr int kPartialRowBytes = 2 * kRowBytes;     // fp32 row, channels in ll::PartialLayout order
+    using Partial = ll::PartialLayout<kRowInt4>;
     using H = Header<kRanks, kNodes>;
 
     // Pushed row: bf16 row | weights f32[kMaxTopk] | u64 tag; partial sum: fp32 row | weights
@@ -109,9 +110,8 @@ struct Combine {
 #pragma unroll
                     for (int j = 0; j < kLocal; ++j)
                         if (present >> j & 1u) add_bf16x8(acc, ll::ld_cg_v4(slots[j] + 16 * u));
-                    float4 *out = reinterpret_cast<float4 *>(dst) + 2 * u;
-                    out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-                    out[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+                    *reinterpret_cast<float4 *>(Partial::lo(dst, u)) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                    *reinterpret_cast<float4 *>(Partial::hi(dst, u)) = make_float4(acc[4], acc[5], acc[6], acc[7]);
                 }
                 if (lane < k_top) {
                     float w = 0.f;
@@ -161,8 +161,8 @@ struct Combine {
                 for (int m = 0; m < kNodes; ++m) {
                     const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
                     if (i < 0 || i >= cap) continue;
-                    const char *partial = base + p.partial_recv_offset + (m * cap + i) * pb + 32LL * u;
-                    const int4 lo = ll::ld_cg_v4(partial), hi = ll::ld_cg_v4(partial + 16);
+                    const char *partial = base + p.partial_recv_offset + (m * cap + i) * pb;
+                    const int4 lo = ll::ld_cg_v4(Partial::lo(partial, u)), hi = ll::ld_cg_v4(Partial::hi(partial, u));
                     const int4 halves[2] = {lo, hi};
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {

@@ -113,7 +113,7 @@ struct CombineParams {
     unsigned long long *partial_tags;  // [R][T]: one per (expert rank, token)
     unsigned long long *map_flags;     // [E_l][R]: the row map of (local expert, source) is built
     char *records;                     // [R][T][kRecordBytes], by source rank (never from this rank)
-    char *partials;                    // [R][T][H] f32, by expert rank, channels in PartialLayout order
+    char *partials;                    // [R][T][H] f32, by expert rank, channels in PartialLayout order (protocol)
     char *record_stage;                // [T][kRecordBytes], source of puts
     char *partial_stage;               // [R][T][H] f32, by source rank, source of puts
     int *row_map;                      // [R][E_l][T]: packed row of (source, local expert, token), -1 = none
@@ -130,17 +130,6 @@ struct CombineParams {
 static_assert(sizeof(CombineParams) == 224, "mirrored by epcomm.ops.low_latency.CombineParams");
 // A combine top-k record: K expert ids (i32), then K weights (f32); sized for MAX_TOPK = 32.
 constexpr int kRecordBytes = 256;
-// Channel order of a partial sum (fp32, private to the combine kernel): a thread sums a chunk of 8
-// channels (one 16-byte bf16 load per row) and writes its 32 bytes as two 16-byte halves. Channels
-// 8c..8c+3 go to unit c, channels 8c+4..8c+7 to unit kChunks + c, so each of a warp's two store
-// instructions covers 512 contiguous bytes (whole sectors). In natural order each instruction
-// wrote half of every 32-byte sector, and a store to a peer crosses NVLink sector by sector.
-template <int kHidden> struct PartialLayout {
-    static constexpr int kChunks = kHidden / 8;
-    static constexpr long long kBytes = 4ll * kHidden;
-    __device__ static int4 *lo(char *partial, int c) { return reinterpret_cast<int4 *>(partial) + c; }
-    __device__ static int4 *hi(char *partial, int c) { return reinterpret_cast<int4 *>(partial) + kChunks + c; }
-};
 // epcomm.ops.low_latency.COMBINE_PHASES
 enum CombinePhase { kPhaseRelease, kPhaseRecord, kPhaseRowMap, kPhasePartial, kPhaseSendEnd };
 
@@ -514,7 +503,7 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
     constexpr int kGroupThreads = kThreads / kItemGroups, kGroupWarps = kGroupThreads / 32;
     static_assert(kThreads % (32 * kItemGroups) == 0 && kItemGroups < 16, "whole warps per group, hardware barriers 1..15");
     constexpr int kRowBytes = kHidden * 2, kChunks = kHidden / 8, kBatch = 4, kPerThread = 4;
-    constexpr long long kPartialBytes = PartialLayout<kHidden>::kBytes;
+    constexpr long long kPartialBytes = PartialLayout<kHidden / 8>::kBytes;
     constexpr unsigned kAll = 0xffffffffu;
     const int lane = lane_id(), group = warp_id() / kGroupWarps, warp = warp_id() % kGroupWarps;
     const int tid = threadIdx.x % kGroupThreads;   // within the group
@@ -650,9 +639,9 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
                 for (int q = 0; q < kPerThread; ++q) {
                     const int c = c0 + q * kGroupThreads;
                     if (c >= kChunks) break;
-                    st_cg_v4(PartialLayout<kHidden>::lo(dst, c), make_int4(__float_as_int(acc[q][0]), __float_as_int(acc[q][1]),
+                    st_cg_v4(PartialLayout<kHidden / 8>::lo(dst, c), make_int4(__float_as_int(acc[q][0]), __float_as_int(acc[q][1]),
                                                                            __float_as_int(acc[q][2]), __float_as_int(acc[q][3])));
-                    st_cg_v4(PartialLayout<kHidden>::hi(dst, c), make_int4(__float_as_int(acc[q][4]), __float_as_int(acc[q][5]),
+                    st_cg_v4(PartialLayout<kHidden / 8>::hi(dst, c), make_int4(__float_as_int(acc[q][4]), __float_as_int(acc[q][5]),
                                                                            __float_as_int(acc[q][6]), __float_as_int(acc[q][7])));
                 }
             }
@@ -679,7 +668,7 @@ __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s
     // Each thread sums kPerThread chunks of 8 channels (kThreads apart), kBatch ranks per step:
     // 2 x 16-byte loads per partial and chunk, 16 loads in flight per thread.
     constexpr int kRowBytes = kHidden * 2, kChunks = kHidden / 8, kBatch = 4, kPerThread = 2;
-    constexpr long long kPartialBytes = PartialLayout<kHidden>::kBytes;
+    constexpr long long kPartialBytes = PartialLayout<kHidden / 8>::kBytes;
     constexpr unsigned kAll = 0xffffffffu;
     const int warp = warp_id(), lane = lane_id();
     const bool shrink = p.enable_shrink != 0;
@@ -733,8 +722,8 @@ __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s
                         v[q][b][0] = v[q][b][1] = make_int4(0, 0, 0, 0);
                         if (c < kChunks && j0 + b < count) {
                             char *partial = p.partials + (static_cast<long long>(ranks[warp][j0 + b]) * kMaxTokens + t) * kPartialBytes;
-                            v[q][b][0] = ld_cg_v4(PartialLayout<kHidden>::lo(partial, c));
-                            v[q][b][1] = ld_cg_v4(PartialLayout<kHidden>::hi(partial, c));
+                            v[q][b][0] = ld_cg_v4(PartialLayout<kHidden / 8>::lo(partial, c));
+                            v[q][b][1] = ld_cg_v4(PartialLayout<kHidden / 8>::hi(partial, c));
                         }
                     }
                 }
