@@ -283,6 +283,19 @@ def moe_inputs(num_tokens: int, hidden: int, num_experts: int, num_topk: int, se
     return MoEInputs(x.to(device), topk_idx.to(device), topk_weights.to(device))
 
 
+def low_latency_setup(buf, num_tokens: int, max_tokens: int, hidden: int, num_topk: int, num_experts: int,
+                      seed: int, device: torch.device):
+    """For the low-latency profiling tools: moe_inputs, the buffer cleaned for (T, H, E), one FP8
+    dispatch for a handle, and a combine input of the handle's shape ([E_l, R*T, H] bf16, random).
+    -> (inputs, handle, expert_out)."""
+    inputs = moe_inputs(num_tokens, hidden, num_experts, num_topk, seed, device)
+    buf.clean_low_latency_buffer(max_tokens, hidden, num_experts)
+    handle = buf.low_latency_dispatch(inputs.x, inputs.topk_idx, max_tokens, num_experts, use_fp8=True)[2]
+    world = buf.group_size
+    expert_out = torch.randn(num_experts // world, world * max_tokens, hidden, device=device, dtype=torch.bfloat16)
+    return inputs, handle, expert_out
+
+
 # ---------------------------------------------------------------------------------------------
 # The per-rank context handed to case modules
 # ---------------------------------------------------------------------------------------------

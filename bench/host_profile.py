@@ -16,7 +16,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from bench.harness import host_issue_times
+from bench.harness import host_issue_times, low_latency_setup
 
 SLEEP_CYCLES = 2_000_000   # ~1 ms: longer than any call's host issue
 
@@ -71,12 +71,8 @@ def main() -> None:
     T, E2 = 128, 288
     ll = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=epcomm.Buffer.get_low_latency_rdma_size_hint(T, H, world, E2),
                        low_latency_mode=True, explicitly_destroy=True)
-    xl = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    ti = torch.randn(T, E2, device="cuda").abs().add(1).topk(K, dim=1).indices.to(epcomm.topk_idx_t)
-    tw = torch.rand(T, K, device="cuda")
-    ll.clean_low_latency_buffer(T, H, E2)
-    ll_handle = ll.low_latency_dispatch(xl, ti, T, E2, use_fp8=True)[2]
-    expert_out = torch.randn(E2 // world, world * T, H, device="cuda", dtype=torch.bfloat16)
+    inputs, ll_handle, expert_out = low_latency_setup(ll, T, T, H, K, E2, rank, torch.device("cuda"))
+    xl, ti, tw = inputs.x, inputs.topk_idx, inputs.topk_weights
     for _ in range(10):
         ll.low_latency_combine(expert_out, ti, tw, ll_handle)
     torch.cuda.synchronize()

@@ -21,6 +21,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from bench.harness import low_latency_setup
 from bench.intranode_trace import _aligned_times, report
 
 
@@ -69,12 +70,8 @@ def main():
     torch.manual_seed(rank)
     results, raw = [], {}
     for N in (T, 1):
-        x = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
-        topk_idx = torch.randn(N, E, device="cuda").abs().add(1).topk(K, dim=1).indices.to(epcomm.topk_idx_t)
-        topk_w = torch.rand(N, K, device="cuda")
-        buf.clean_low_latency_buffer(T, H, E)
-        handle = buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)[2]
-        expert_out = torch.randn(E // world, world * T, H, device="cuda", dtype=torch.bfloat16)
+        inputs, handle, expert_out = low_latency_setup(buf, N, T, H, K, E, rank, torch.device("cuda"))
+        x, topk_idx, topk_w = inputs.x, inputs.topk_idx, inputs.topk_weights
         calls = {"dispatch": lambda: buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True),
                  "combine": lambda: buf.low_latency_combine(expert_out, topk_idx, topk_w, handle)}
         for op, fn in calls.items():
