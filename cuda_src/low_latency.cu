@@ -503,7 +503,7 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
     constexpr int kGroupThreads = kThreads / kItemGroups, kGroupWarps = kGroupThreads / 32;
     static_assert(kThreads % (32 * kItemGroups) == 0 && kItemGroups < 16, "whole warps per group, hardware barriers 1..15");
     constexpr int kRowBytes = kHidden * 2, kChunks = kHidden / 8, kBatch = 4, kPerThread = 4;
-    constexpr long long kPartialBytes = PartialLayout<kHidden / 8>::kBytes;
+    constexpr long long kPartialBytes = PartialLayout<kChunks>::kBytes;
     constexpr unsigned kAll = 0xffffffffu;
     const int lane = lane_id(), group = warp_id() / kGroupWarps, warp = warp_id() % kGroupWarps;
     const int tid = threadIdx.x % kGroupThreads;   // within the group
@@ -639,9 +639,9 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
                 for (int q = 0; q < kPerThread; ++q) {
                     const int c = c0 + q * kGroupThreads;
                     if (c >= kChunks) break;
-                    st_cg_v4(PartialLayout<kHidden / 8>::lo(dst, c), make_int4(__float_as_int(acc[q][0]), __float_as_int(acc[q][1]),
+                    st_cg_v4(PartialLayout<kChunks>::lo(dst, c), make_int4(__float_as_int(acc[q][0]), __float_as_int(acc[q][1]),
                                                                            __float_as_int(acc[q][2]), __float_as_int(acc[q][3])));
-                    st_cg_v4(PartialLayout<kHidden / 8>::hi(dst, c), make_int4(__float_as_int(acc[q][4]), __float_as_int(acc[q][5]),
+                    st_cg_v4(PartialLayout<kChunks>::hi(dst, c), make_int4(__float_as_int(acc[q][4]), __float_as_int(acc[q][5]),
                                                                            __float_as_int(acc[q][6]), __float_as_int(acc[q][7])));
                 }
             }
@@ -668,7 +668,7 @@ __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s
     // Each thread sums kPerThread chunks of 8 channels (kThreads apart), kBatch ranks per step:
     // 2 x 16-byte loads per partial and chunk, 16 loads in flight per thread.
     constexpr int kRowBytes = kHidden * 2, kChunks = kHidden / 8, kBatch = 4, kPerThread = 2;
-    constexpr long long kPartialBytes = PartialLayout<kHidden / 8>::kBytes;
+    constexpr long long kPartialBytes = PartialLayout<kChunks>::kBytes;
     constexpr unsigned kAll = 0xffffffffu;
     const int warp = warp_id(), lane = lane_id();
     const bool shrink = p.enable_shrink != 0;
@@ -722,8 +722,8 @@ __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s
                         v[q][b][0] = v[q][b][1] = make_int4(0, 0, 0, 0);
                         if (c < kChunks && j0 + b < count) {
                             char *partial = p.partials + (static_cast<long long>(ranks[warp][j0 + b]) * kMaxTokens + t) * kPartialBytes;
-                            v[q][b][0] = ld_cg_v4(PartialLayout<kHidden / 8>::lo(partial, c));
-                            v[q][b][1] = ld_cg_v4(PartialLayout<kHidden / 8>::hi(partial, c));
+                            v[q][b][0] = ld_cg_v4(PartialLayout<kChunks>::lo(partial, c));
+                            v[q][b][1] = ld_cg_v4(PartialLayout<kChunks>::hi(partial, c));
                         }
                     }
                 }
