@@ -172,32 +172,36 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
 }
 
 // ---- dispatch and combine (their warps: internode_dispatch.cuh, internode_combine.cuh) ---------
-template <int kRanks, int kLocal, int kRowInt4, int kScales, typename IdxT, bool kFresh>
-__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ DispatchParams p) {
-    using D = Dispatch<kRanks, kLocal, kRowInt4, kScales, IdxT, kFresh>;
+// The frame both data kernels share: begin the call, wait until every rank finished its previous
+// internode kernel and the call fits the data region, run `steps(peers, call)`, finish the call.
+template <int kRanks, int kLocal, class P, class Steps>
+__device__ __forceinline__ void data_call(const P &p, Steps steps) {
     __shared__ char *peers[kRanks];
     __shared__ int block_ok;
     const Call call = begin_call<kRanks, kLocal>(peers, p);
-    if (wait_all_idle<kRanks, D::kNodes>(call, &block_ok) && fits_capacity(call, p.max_tokens, p.capacity)) {
+    if (wait_all_idle<kRanks, kRanks / kLocal>(call, &block_ok) && fits_capacity(call, p.max_tokens, p.capacity))
+        steps(static_cast<char *const *>(peers), call);
+    kernel_finish<kRanks, kRanks / kLocal>(call);
+}
+
+template <int kRanks, int kLocal, int kRowInt4, int kScales, typename IdxT, bool kFresh>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ DispatchParams p) {
+    using D = Dispatch<kRanks, kLocal, kRowInt4, kScales, IdxT, kFresh>;
+    data_call<kRanks, kLocal>(p, [&](char *const *peers, const Call &call) {
         D::send(p, peers, call);
         D::receive(p, peers, call);
         D::pad(p);
-    }
-    kernel_finish<kRanks, D::kNodes>(call);
+    });
 }
 
 template <int kRanks, int kLocal, int kRowInt4>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineParams p) {
     using C = Combine<kRanks, kLocal, kRowInt4>;
-    __shared__ char *peers[kRanks];
-    __shared__ int block_ok;
-    const Call call = begin_call<kRanks, kLocal>(peers, p);
-    if (wait_all_idle<kRanks, C::kNodes>(call, &block_ok) && fits_capacity(call, p.max_tokens, p.capacity)) {
+    data_call<kRanks, kLocal>(p, [&](char *const *peers, const Call &call) {
         C::push(p, peers, call);
         C::reduce(p, peers, call);
         C::finish_tokens(p, call);
-    }
-    kernel_finish<kRanks, C::kNodes>(call);
+    });
 }
 
 }  // namespace internode
