@@ -25,12 +25,7 @@ struct Combine {
     // bytes land within kMaxTopk of it with probability ~2^-59).
     static constexpr long long kPushTag = kRowBytes + 4LL * kMaxTopk;
     static constexpr long long kPartialTag = kPartialRowBytes + 4LL * kMaxTopk;
-    static __device__ __forceinline__ unsigned long long tag_of(unsigned long long epoch) {
-        unsigned long long z = epoch + 0x9e3779b97f4a7c15ull;   // splitmix64 finaliser
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-        return z ^ (z >> 31);
-    }
+    static __device__ __forceinline__ unsigned long long tag_of(unsigned long long epoch) { return ll::mix_epoch(epoch); }
     // K of the writer of a tag from this call, or -1 (not written by this call).
     static __device__ __forceinline__ int tag_topk(unsigned long long tag, unsigned long long epoch) {
         const unsigned long long k = tag - tag_of(epoch);

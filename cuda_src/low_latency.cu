@@ -13,6 +13,10 @@
 // for a tag equal to its receive count. Both advance once per call on every rank, so they agree
 // without any host-provided sequence number, and a replayed graph simply advances them again.
 // The last block of each launch part (ticket counter) stores the new count and resets its counters.
+// The combine's top-k records go to NVLink peers as stamped words instead (protocol: stamped()):
+// each 64-bit word carries a 32-bit mix of the count beside its value, so it needs neither a tag
+// nor the fence before one. They live in the signal region (zeroed by clean_low_latency_buffer,
+// never shared with another phase's data), and every call rewrites every slot it reads.
 //
 // Buffer-set reuse. A receiver that has finished with a set writes its receive count into every
 // sender's `acks[receiver]` (the last block, after all blocks stopped reading). A sender's n-th send
@@ -109,10 +113,10 @@ struct CombineParams {
     unsigned int *tickets;             // [kCounters]: tickets, then the send part's claims (enum Counter)
     int *mask;
     unsigned int *failed;
-    unsigned long long *record_tags;   // [R][T]: one per (source rank, token); this rank's own unused
+    unsigned long long *record_tags;   // [R][T]: one per (source rank, token), put sources only
     unsigned long long *partial_tags;  // [R][T]: one per (expert rank, token)
     unsigned long long *map_flags;     // [E_l][R]: the row map of (local expert, source) is built
-    char *records;                     // [R][T][kRecordBytes], by source rank (never from this rank)
+    char *records;                     // [R][T][kRecordBytes] stamped words, by source rank (signal region)
     char *partials;                    // [R][T][H] f32, by expert rank, channels in PartialLayout order (protocol)
     char *record_stage;                // [T][kRecordBytes], source of puts
     char *partial_stage;               // [R][T][H] f32, by source rank, source of puts
@@ -128,8 +132,9 @@ struct CombineParams {
     unsigned long long *trace;         // [blocks][warps][kTraceSlots] in EPCOMM_LL_TRACE builds, else null
 };
 static_assert(sizeof(CombineParams) == 224, "mirrored by epcomm.ops.low_latency.CombineParams");
-// A combine top-k record: K expert ids (i32), then K weights (f32); sized for MAX_TOPK = 32.
-constexpr int kRecordBytes = 256;
+// A combine top-k record: per top-k slot two stamped words (protocol: stamped()), the expert id and
+// the weight's bits; sized for MAX_TOPK = 32.
+constexpr int kRecordBytes = 512;
 // epcomm.ops.low_latency.COMBINE_PHASES
 enum CombinePhase { kPhaseRelease, kPhaseRecord, kPhaseRowMap, kPhasePartial, kPhaseSendEnd };
 
@@ -376,53 +381,54 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
 // Source side: every other live rank gets this rank's top-k record of every token slot t < T (slots
 // t >= N name no expert), so each expert rank knows exactly which partial sums to make, with the
 // combine-time weights, whatever the routing was (this rank's own items read topk_idx and
-// topk_weights directly). One token per warp and claim; direct ranks: stores, one fence, then the
-// tags; other ranks: a put with signal from the record stage.
+// topk_weights directly). One token per warp and claim; each warp claims and loads its first one
+// before the release wait (load_record), so those loads overlap it. Direct ranks: the record as
+// stamped words (per slot: expert id, weight bits), no tag and no fence, so it is on its way as soon
+// as the release is seen; other ranks: a put with signal from the record stage.
+template <int kTopK, int kExperts, class TopkT>
+__device__ __forceinline__ void load_record(const CombineParams &p, int t, int &e, float &w) {
+    e = -1;
+    w = 0.0f;
+    if (lane_id() < kTopK && t < p.num_tokens) {
+        e = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + lane_id());
+        w = __ldg(p.topk_weights + static_cast<long long>(t) * kTopK + lane_id());
+    }
+}
+
 template <int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT>
-__device__ void combine_send_records(const CombineParams &p, const BlockState<kRanks> &s, unsigned long long epoch) {
+__device__ void combine_send_records(const CombineParams &p, const BlockState<kRanks> &s, unsigned long long epoch,
+                                     int t, int e, float w) {   // t, e, w: the first claim, loaded
     const int lane = lane_id();
+    const uint32_t stamp = call_stamp(epoch);
     unsigned int *counter = p.tickets + kClaimRecords;
-    for (int t = warp_claim(counter); t < kMaxTokens; t = warp_claim(counter)) {
-        int e = -1;
-        float w = 0.0f;
-        if (lane < kTopK && t < p.num_tokens) {
-            e = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + lane);
-            w = __ldg(p.topk_weights + static_cast<long long>(t) * kTopK + lane);
-        }
+    while (t < kMaxTokens) {
         const long long slot = static_cast<long long>(p.rank) * kMaxTokens + t;
         char *local_record = p.records + slot * kRecordBytes;
+        auto write = [&](char *record) {
+            if (lane < kTopK) {
+                unsigned long long *words = reinterpret_cast<unsigned long long *>(record) + 2 * lane;
+                st_relaxed_sys(words, stamped(stamp, static_cast<uint32_t>(e)));
+                st_relaxed_sys(words + 1, stamped(stamp, __float_as_uint(w)));
+            }
+        };
         char *stage = nullptr;
-        bool direct_sent = false;   // warp-uniform
         for (int dst = 0; dst < kRanks; ++dst) {
             if (dst == p.rank || s.masked[dst]) continue;
             if (s.peer_base[dst] != 0) {
-                char *record = on_peer(p.heap, s.peer_base, p.rank, dst, local_record);
-                if (lane < kTopK) {
-                    reinterpret_cast<int *>(record)[lane] = e;
-                    reinterpret_cast<float *>(record)[kTopK + lane] = w;
-                }
-                direct_sent = true;
+                write(on_peer(p.heap, s.peer_base, p.rank, dst, local_record));
                 continue;
             }
             if (stage == nullptr) {   // puts read the symmetric heap: the record once into the stage
                 stage = p.record_stage + static_cast<long long>(t) * kRecordBytes;
-                if (lane < kTopK) {
-                    reinterpret_cast<int *>(stage)[lane] = e;
-                    reinterpret_cast<float *>(stage)[kTopK + lane] = w;
-                }
+                write(stage);
                 __syncwarp();
                 __threadfence_system();   // the stage before the transport reads it
             }
-            nvshmemx_putmem_signal_nbi_warp(local_record, stage, 8 * kTopK, reinterpret_cast<uint64_t *>(p.record_tags + slot),
+            nvshmemx_putmem_signal_nbi_warp(local_record, stage, 16 * kTopK, reinterpret_cast<uint64_t *>(p.record_tags + slot),
                                             epoch, NVSHMEM_SIGNAL_SET, dst);
         }
-        if (!direct_sent) continue;
-        __syncwarp();
-        fence_acq_rel_sys();   // (every lane) the records above before their tags
-        for (int dst = lane; dst < kRanks; dst += 32)
-            if (dst != p.rank && !s.masked[dst] && s.peer_base[dst] != 0)
-                st_relaxed_sys(reinterpret_cast<unsigned long long *>(on_peer(p.heap, s.peer_base, p.rank, dst, p.record_tags + slot)),
-                               epoch);
+        t = warp_claim(counter);
+        load_record<kTopK, kExperts, TopkT>(p, t, e, w);
     }
 }
 
@@ -512,6 +518,7 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
     const bool shrink = p.enable_shrink != 0;
     auto source_of = [&](int i) { return (p.rank + 1 + i / kMaxTokens) % kRanks; };   // own tokens last
     auto direct = [&](int src) { return src == p.rank || s.peer_base[src] != 0; };
+    const uint32_t stamp = call_stamp(epoch);
     int pending = 0, sent = 0;   // group-uniform
     auto flush = [&] {   // after a group barrier
         if (warp == 0 && pending > 0) {
@@ -550,25 +557,31 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
         if (warp == 0) {
             const bool own = src == p.rank;
             int w = kReady;
-            if (!own && lane == 0)
+            if (!own && !direct(src) && lane == 0)   // a put: its signal says the whole record is here
                 w = wait_tag(ctx, p.record_tags + static_cast<long long>(src) * kMaxTokens + t, epoch, p.mask, shrink, src,
                              kPhaseRecord);
             w = __shfl_sync(kAll, w, 0);
-            __syncwarp();   // lane 0's acquire before every lane reads the record
-            long long row = -1;
+            int e = -1;
             float weight = 0.0f;
+            if (!own && w == kReady && lane < kTopK) {   // lane k: slot k's stamped words
+                const unsigned long long *words = reinterpret_cast<const unsigned long long *>(
+                    p.records + (static_cast<long long>(src) * kMaxTokens + t) * kRecordBytes) + 2 * lane;
+                unsigned long long id = 0, wt = 0;
+                w = wait_until(ctx, [&] {
+                    id = ld_relaxed_sys(words);
+                    wt = ld_relaxed_sys(words + 1);
+                    return has_stamp(id, stamp) && has_stamp(wt, stamp);
+                }, p.mask, shrink, src, kPhaseRecord);
+                e = static_cast<int>(static_cast<uint32_t>(id));
+                weight = __uint_as_float(static_cast<uint32_t>(wt));
+            }
+            w = __any_sync(kAll, w == kFailed) ? kFailed : __any_sync(kAll, w == kMasked) ? kMasked : kReady;
+            long long row = -1;
             bool local = false, failed = w == kFailed;
             if (w == kReady && lane < kTopK) {
-                int e = -1;
-                if (own) {
-                    if (t < p.num_tokens) {
-                        e = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + lane);
-                        weight = __ldg(p.topk_weights + static_cast<long long>(t) * kTopK + lane);
-                    }
-                } else {
-                    const char *record = p.records + (static_cast<long long>(src) * kMaxTokens + t) * kRecordBytes;
-                    e = ld_cg(reinterpret_cast<const int *>(record) + lane);
-                    weight = ld_cg(reinterpret_cast<const float *>(record) + kTopK + lane);
+                if (own && t < p.num_tokens) {
+                    e = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + lane);
+                    weight = __ldg(p.topk_weights + static_cast<long long>(t) * kTopK + lane);
                 }
                 local = e >= 0 && e < kExperts && e / kLocalExperts == p.rank;
                 if (local) {
@@ -758,7 +771,7 @@ __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s
 template <int kHidden, int kTopK, int kRanks, int kExperts, int kMaxTokens, class TopkT, int kThreads>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineParams p) {
     static_assert(kExperts % kRanks == 0 && kThreads % 32 == 0 && kRanks <= kThreads, "shape");
-    static_assert(kHidden % 8 == 0 && kTopK >= 1 && kTopK <= 32 && 8 * kTopK <= kRecordBytes,
+    static_assert(kHidden % 8 == 0 && kTopK >= 1 && kTopK <= 32 && 16 * kTopK <= kRecordBytes,
                   "hidden % 8 == 0, 1 <= top-k <= 32");
     __shared__ BlockState<kRanks> s;
     __shared__ CombineItem<kTopK> items[kItemGroups];
@@ -768,10 +781,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     if (p.phases & kSend) {
         const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
+        int t = warp_claim(p.tickets + kClaimRecords), e;   // the first record, loaded during the release wait
+        float w;
+        load_record<kTopK, kExperts, TopkT>(p, t, e, w);
         wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);
         trace_stamp(p.trace, kTrReleased);
         if (!s.abort) {   // block-uniform: the item groups below sync on barriers
-            combine_send_records<kTopK, kRanks, kExperts, kMaxTokens, TopkT>(p, s, epoch);
+            combine_send_records<kTopK, kRanks, kExperts, kMaxTokens, TopkT>(p, s, epoch, t, e, w);
             trace_stamp(p.trace, kTrSendA);
             combine_build_map<kHidden, kRanks, kExperts, kMaxTokens>(p, epoch);
             trace_stamp(p.trace, kTrSendB);

@@ -155,16 +155,13 @@ __device__ __forceinline__ void trace_count(unsigned long long *trace, unsigned 
 
 enum Wait { kReady, kMasked, kFailed };
 
-// Bounded spin on a 64-bit tag. Polls are relaxed loads: an acquire load per poll compiles to a
-// strong load plus an L1 invalidation (CCTL.IVALL) of the SM, which would slow every warp of the
-// block still sending. Once the tag is seen, one acquire load of the same word synchronises with
-// the writer's release (its value cannot change before this rank acknowledges the call). A masked
-// peer (now, or after a timeout under shrink) ends the wait, and so does a failure any wait of this
-// rank recorded (the Guard's device-memory flag; the host-mapped record is only written).
-__device__ __forceinline__ Wait wait_tag(const Guard &g, const unsigned long long *tag, unsigned long long want,
-                                         int *mask, bool shrink, int peer, int phase) {
+// Bounded spin until `ready()`. A masked peer (now, or after a timeout under shrink) ends the wait,
+// and so does a failure any wait of this rank recorded (the Guard's device-memory flag; the
+// host-mapped record is only written).
+template <class Ready>
+__device__ __forceinline__ Wait wait_until(const Guard &g, Ready ready, int *mask, bool shrink, int peer, int phase) {
     for (unsigned int spins = 1;; ++spins) {
-        if (ld_relaxed_sys(tag) == want && ld_acquire_sys(tag) == want) return kReady;
+        if (ready()) return kReady;
         if ((spins & 1023u) == 0) {
             if (*reinterpret_cast<volatile int *>(mask + peer) != 0) return kMasked;
             if (globaltimer_ns() > g.ctx.deadline_ns) {
@@ -178,6 +175,37 @@ __device__ __forceinline__ Wait wait_tag(const Guard &g, const unsigned long lon
             if (g.failed()) return kFailed;
         }
     }
+}
+
+// Bounded spin on a 64-bit tag. Polls are relaxed loads: an acquire load per poll compiles to a
+// strong load plus an L1 invalidation (CCTL.IVALL) of the SM, which would slow every warp of the
+// block still sending. Once the tag is seen, one acquire load of the same word synchronises with
+// the writer's release (its value cannot change before this rank acknowledges the call).
+__device__ __forceinline__ Wait wait_tag(const Guard &g, const unsigned long long *tag, unsigned long long want,
+                                         int *mask, bool shrink, int peer, int phase) {
+    return wait_until(g, [&] { return ld_relaxed_sys(tag) == want && ld_acquire_sys(tag) == want; }, mask, shrink, peer, phase);
+}
+
+// A 64-bit mix of a call's epoch (splitmix64's finaliser). Words that carry their call (combine
+// records; internode tags) hold it instead of the epoch itself, so bytes that some other phase left
+// in the same memory (small integers, FP8 payload with many zero bytes) match a call's stamp with
+// probability ~2^-32 per 32-bit stamp, not whenever they happen to equal a small count.
+__device__ __forceinline__ unsigned long long mix_epoch(unsigned long long epoch) {
+    unsigned long long z = epoch + 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// A stamped word: (stamp << 32) | a 32-bit value, stored and read as one 64-bit access, so a reader
+// that sees this call's stamp has the value with no fence between them and no separate tag (a fence
+// after stores to a peer waits for all of them: 2.5-4 us on 2 x H200 once bulk data is on the link).
+__device__ __forceinline__ uint32_t call_stamp(unsigned long long epoch) { return static_cast<uint32_t>(mix_epoch(epoch) >> 32); }
+__device__ __forceinline__ unsigned long long stamped(uint32_t stamp, uint32_t value) {
+    return (static_cast<unsigned long long>(stamp) << 32) | value;
+}
+__device__ __forceinline__ bool has_stamp(unsigned long long word, uint32_t stamp) {
+    return static_cast<uint32_t>(word >> 32) == stamp;
 }
 
 // Shared state of one block: peer bases and mask snapshot, the abort flag, and how many of its

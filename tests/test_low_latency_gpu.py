@@ -21,6 +21,7 @@ from typing import Dict, Optional, Tuple
 import pytest
 import torch
 
+from epcomm.ops.low_latency_layout import RECORD_BYTES
 from tests.test_intranode_gpu import calc_diff
 
 pytestmark = pytest.mark.gpu
@@ -303,6 +304,35 @@ def test_back_to_back_calls_without_clean(dist_env):
         problems += _run(dist_env, buf, replace(SMALL, fp8=bool(i % 2)), seed=20 + i, clean=i == 0,
                          mode=("sync", "hook", "async")[i % 3])
     _verdict(dist_env, problems, "back-to-back calls")
+
+
+def test_stale_bytes_in_record_slots_are_never_taken_for_records(dist_env):
+    """The combine's top-k records are stamped words read without a tag (cuda_src/low_latency.cu):
+    bytes left in their slots must never pass for this call's record. Before each checked call both
+    sets' record slots on every rank are filled with such bytes: random words, and words whose high
+    half is a small integer (what a raw epoch stamp would have taken for its own)."""
+    buf = _buffer(dist_env, shapes=ALL_SHAPES)
+    ll = buf._backend._low_latency()
+    dev, problems = dist_env.device, []
+
+    def fill(case, seed):
+        layout = ll._layout(case.T, case.H, case.E)
+        n = dist_env.world_size * case.T * RECORD_BYTES // 8
+        g = torch.Generator(device=dev).manual_seed(seed)
+        for s in (0, 1):
+            words = ll.gb.rdma.view(torch.int64, (n,), layout.records(s))
+            words.random_(generator=g)
+            small = torch.randint(0, 1024, ((n + 1) // 2,), device=dev, generator=g)
+            words[::2] = (small << 32) | (words[::2] & 0xffffffff)
+        torch.cuda.synchronize()
+        dist_env.barrier()   # every rank's slots are filled before any rank's combine writes them
+
+    for i, case in enumerate((FP8_TARGET, replace(SMALL, fp8=False))):
+        buf.clean_low_latency_buffer(case.T, case.H, case.E)
+        for j in range(3):   # epochs 1, 2 of each set: the stamps of a fresh buffer and of later calls
+            fill(case, 1000 * dist_env.rank + 10 * i + j)
+            problems += _run(dist_env, buf, case, seed=60 + 10 * i + j, clean=False)
+    _verdict(dist_env, problems, "stale record bytes")
 
 
 def test_shape_change_needs_clean(dist_env):

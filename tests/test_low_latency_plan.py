@@ -89,7 +89,7 @@ def _regions(layout: lay.Layout):
 # the zero-copy combine input or dispatch's put stages; recv holds dispatch messages or the
 # combine regions.
 _SHARED_OK = {frozenset((a, b)) for a in ("combine_send",) for b in ("message_stage", "list_stage")} | \
-    {frozenset(("messages", b)) for b in ("partials", "records", "partial_stage", "record_stage", "row_map")}
+    {frozenset(("messages", b)) for b in ("partials", "partial_stage", "record_stage", "row_map")}
 
 
 @pytest.mark.parametrize("T, H, R, E", [(128, 7168, 2, 288), (1, 8, 1, 1), (1024, 8192, 8, 256),
@@ -109,6 +109,7 @@ def test_layout_regions_disjoint_aligned_and_inside_hint(T, H, R, E):
     # clean_low_latency_buffer zeroes control and signals, and nothing of the data.
     assert layout.signals_end <= layout.send(0)
     assert layout.lists(1) + E * lay.list_bytes(T) <= layout.signals_end
+    assert layout.records(1) + R * T * lay.RECORD_BYTES <= layout.signals_end   # zeroed by clean
 
 
 def test_signals_do_not_move_with_hidden():

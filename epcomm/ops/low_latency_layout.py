@@ -15,12 +15,15 @@ signals   per set, depends on (T, E): token_tags [R][T] u64 (dispatch messages: 
           partial_tags [R][T] u64 (combine: partial sums, by expert rank), map_flags [E_l][R] u64
           (combine: this rank's row map of each (local expert, source) is built; never remote),
           list_tags [E_l][R] u64, lists [E_l][R][16 + 4T] (count + token indices of each
-          (local expert, source)).
+          (local expert, source)), records [R][T][512 B] (combine: received top-k ids + weights,
+          by source rank, as stamped words that carry their call: no tag, no fence; here, not in
+          the data region, so that clean_low_latency_buffer zeroes them and no other phase's
+          bytes ever sit where a stamp is read).
 data      per set, depends on (T, H, E): send = the zero-copy combine buffer [E_l][R*T][H] bf16,
           which also holds the put stages of dispatch (messages [T][msg] then lists [E][16 + 4T]);
           recv = dispatch messages [R][T][msg], or for combine: partials [R][T][H] f32 (received,
-          by expert rank), records [R][T][256 B] (received top-k ids + weights, by source rank),
-          partial_stage [R][T][H] f32 and record_stage [T][256 B] (sources of puts), row_map
+          by expert rank), partial_stage [R][T][H] f32 and record_stage [T][512 B] (sources of
+          puts), row_map
           [R][E_l][T] i32 (packed row of (source, local expert, token), local). A set carries one
           call at a time; the acks make sure its previous call was consumed before it is rewritten.
 
@@ -38,7 +41,7 @@ LIST_HEADER_BYTES = 16       # count + padding before the token indices of a lis
 SMEM_BUDGET = 96 * 1024      # DispatchShape::kSmemBudget
 ALIGN = 256                  # every region starts on this boundary
 MAX_TOPK = 32                # the kernels give one lane per top-k slot
-RECORD_BYTES = 8 * MAX_TOPK  # combine top-k record: K i32 expert ids, then K f32 weights
+RECORD_BYTES = 16 * MAX_TOPK  # combine top-k record: per slot two stamped u64 words (expert id, weight)
 TICKET_BYTES = 4 * 8         # per set: u32 counters [epcomm::ll::kCounters]
 
 
@@ -117,7 +120,11 @@ class Layout:
     @property
     def _signal_set_bytes(self) -> int:
         return (3 * self._tag_array_bytes + 2 * _align(8 * self.num_experts)
-                + _align(self.num_experts * list_bytes(self.num_max_tokens)))
+                + _align(self.num_experts * list_bytes(self.num_max_tokens)) + self._records_bytes)
+
+    @property
+    def _records_bytes(self) -> int:
+        return _align(self.num_ranks * self.num_max_tokens * RECORD_BYTES)
 
     def token_tags(self, s: int) -> int:
         return self.control_bytes + s * self._signal_set_bytes
@@ -136,6 +143,9 @@ class Layout:
 
     def lists(self, s: int) -> int:
         return self.list_tags(s) + _align(8 * self.num_experts)
+
+    def records(self, s: int) -> int:
+        return self.lists(s) + _align(self.num_experts * list_bytes(self.num_max_tokens))
 
     @property
     def signals_end(self) -> int:
@@ -161,8 +171,7 @@ class Layout:
     @property
     def _recv_bytes(self) -> int:
         messages = _align(self.num_ranks * self.num_max_tokens * 2 * self.hidden)   # >= [R][T][msg]
-        records = self.num_ranks * self.num_max_tokens * RECORD_BYTES
-        combine = (2 * self._partials_bytes + _align(records) + _align(self.num_max_tokens * RECORD_BYTES)
+        combine = (2 * self._partials_bytes + _align(self.num_max_tokens * RECORD_BYTES)
                    + _align(4 * self.num_experts * self.num_max_tokens))
         return max(messages, combine)
 
@@ -181,11 +190,8 @@ class Layout:
         """Dispatch messages of set s; combine partials start here too."""
         return self.send(s) + self._send_bytes
 
-    def records(self, s: int) -> int:
-        return self.recv(s) + self._partials_bytes
-
     def partial_stage(self, s: int) -> int:
-        return self.records(s) + _align(self.num_ranks * self.num_max_tokens * RECORD_BYTES)
+        return self.recv(s) + self._partials_bytes
 
     def record_stage(self, s: int) -> int:
         return self.partial_stage(s) + self._partials_bytes
