@@ -306,17 +306,20 @@ __device__ void finish_recv(const BlockState<kRanks> &s, const Guard &ctx, unsig
                             int send_phase, unsigned long long *acks, const int *mask, char *heap, int rank) {
     __syncthreads();
     if (threadIdx.x != 0) return;
-    __threadfence();
+    fence_acq_rel_gpu();   // this block's reads of the set before its count (release pattern)
     if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
-    __threadfence();
-    *ticket = 0;
+    *ticket = 0;       // read by the next launch (a kernel boundary orders them)
     *epoch = value;
     if (send_epoch != nullptr && !ctx.wait(rank, send_phase, [&] { return ld_volatile(send_epoch) >= value; })) return;
-    __threadfence();
+    // One fence for all the acknowledgements: acquire for the other blocks' counts (each fenced
+    // after its reads) and release before the relaxed stores below. It was a fence, another before
+    // the counter resets and a release store per peer: each waits for this thread's outstanding
+    // stores, and they sat at the very end of the kernel (~2-3 us from "receive done" to "end").
+    fence_acq_rel_sys();
     for (int r = 0; r < kRanks; ++r) {
         if (s.masked[r] || *reinterpret_cast<const volatile int *>(mask + r)) continue;   // masked now or on a timeout
         if (r == rank || s.peer_base[r] != 0)
-            st_release_sys(reinterpret_cast<unsigned long long *>(on_peer(heap, s.peer_base, rank, r, acks + rank)), value);
+            st_relaxed_sys(reinterpret_cast<unsigned long long *>(on_peer(heap, s.peer_base, rank, r, acks + rank)), value);
         else
             nvshmemx_signal_op(reinterpret_cast<uint64_t *>(acks + rank), value, NVSHMEM_SIGNAL_SET, r);
     }
