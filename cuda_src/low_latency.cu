@@ -172,22 +172,43 @@ __device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, co
     // The first round is read and cast before the release wait (no remote write yet), so that
     // round trip overlaps the loads of x. The last warp first pulls this block's share of the top-k
     // table into L2 (prefetches do not stall the warp): the list scans after the release, on the
-    // critical path, then read L2 instead of memory (a scan of 128 tokens took 2.7 us cold).
+    // critical path (all but the first step below), then read L2 (a scan of 128 tokens took 2.7 us cold).
     if (warp == kWarps - 1) {
         const int lines = (p.num_tokens * kTopK * static_cast<int>(sizeof(TopkT)) + 127) / 128;
         for (int i = blockIdx.x * 32 + lane; i < lines; i += gridDim.x * 32)
             prefetch_l2(static_cast<const char *>(p.topk_idx) + 128ll * i);
     }
-    int expert, sent = 0;
+    // Token lists: one expert per warp (the warps without messages first). A list is built from
+    // scans of kScanRounds x 32 tokens, their top-k loads all in flight at once (one memory round
+    // trip per step instead of one per 32 tokens); hits[r] = how often token first + 32r + lane
+    // names expert e.
+    constexpr int kScanRounds = kTopK <= 8 ? 4 : kTopK <= 16 ? 2 : 1;
+    auto scan = [&](int e, int first, int (&hits)[kScanRounds]) {
+#pragma unroll
+        for (int r = 0; r < kScanRounds; ++r) {
+            const int t = first + 32 * r + lane;
+            hits[r] = 0;
+            if (t < p.num_tokens) {
+#pragma unroll
+                for (int k = 0; k < kTopK; ++k)
+                    hits[r] += expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + k) == e;
+            }
+        }
+    };
+    const int total = kWarps * gridDim.x, first_expert = (kWarps - 1 - warp) * gridDim.x + blockIdx.x;
+    int expert, sent = 0, first_hits[kScanRounds];
     load_round(first_round, expert);
+    // The first scan step of the warp's first expert reads only inputs: it runs before the release
+    // wait too (a scan took 2.7 us after it, traced), so with N <= 32 x kScanRounds every list is
+    // ready to leave at the release.
+    if (first_expert < kExperts) scan(first_expert, 0, first_hits);
     wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);   // ends with __syncthreads
     trace_stamp(p.trace, kTrReleased);
     if (s.abort) return;
-    // Token lists first, one expert per warp (the warps without messages first), then the messages.
-    // A store to a peer waits behind every store the SM issued to it before, so lists written
-    // after (or beside) the messages reached the receivers only once the link had drained the
-    // messages (traced on 2 x H200: lists seen ~9 us after the release, the messages' own tags ~6).
-    const int total = kWarps * gridDim.x, first_expert = (kWarps - 1 - warp) * gridDim.x + blockIdx.x;
+    // The lists go before the messages. A store to a peer waits behind every store the SM issued
+    // to it before, so lists written after (or beside) the messages reached the receivers only once
+    // the link had drained the messages (traced on 2 x H200: lists seen ~9 us after the release,
+    // the messages' own tags ~6).
     for (int e = first_expert; e < kExperts; e += total) {
         const int dst = e / kLocalExperts;
         if (s.masked[dst]) continue;
@@ -197,21 +218,14 @@ __device__ void dispatch_send(const DispatchParams &p, BlockState<kRanks> &s, co
         char *list = direct ? on_peer(p.heap, s.peer_base, p.rank, dst, local_list)
                             : p.list_stage + static_cast<long long>(e) * kListBytes;
         int *entries = reinterpret_cast<int *>(list + kListHeaderBytes);
-        // kScanRounds x 32 tokens per step: their top-k loads are all in flight at once (one L2
-        // round trip per step instead of one per 32 tokens).
-        constexpr int kScanRounds = kTopK <= 8 ? 4 : kTopK <= 16 ? 2 : 1;
         int count = 0;
         for (int first = 0; first < p.num_tokens; first += 32 * kScanRounds) {
             int hits[kScanRounds];
+            if (e == first_expert && first == 0) {
 #pragma unroll
-            for (int r = 0; r < kScanRounds; ++r) {
-                const int t = first + 32 * r + lane;
-                hits[r] = 0;
-                if (t < p.num_tokens) {
-#pragma unroll
-                    for (int k = 0; k < kTopK; ++k)
-                        hits[r] += expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + k) == e;
-                }
+                for (int r = 0; r < kScanRounds; ++r) hits[r] = first_hits[r];
+            } else {
+                scan(e, first, hits);
             }
 #pragma unroll
             for (int r = 0; r < kScanRounds; ++r) {
@@ -439,16 +453,38 @@ __device__ void combine_send_records(const CombineParams &p, const BlockState<kR
     }
 }
 
-// Expert side, local memory only: the row map of each (local expert, source) pair, one pair per
-// warp and claim, then the pair's flag. A token listed twice in a pair (an expert named in two
-// top-k slots) maps to its last row, as in the oracle. After the flag, the mapped rows are pulled
-// into L2 (prefetches issued before the flag delayed it by microseconds), so the partial sums
-// mostly read them from L2. After the release wait: the set's previous send part (which read the
-// maps) has ended.
-template <int kHidden, int kRanks, int kExperts, int kMaxTokens>
-__device__ void combine_build_map(const CombineParams &p, unsigned long long epoch) {
+// Before the release wait (inputs only, nothing remote): every warp of the grid pulls its share of
+// the rows the handle names (x [E_l][R*T][H], each (local expert, source) pair's range) into L2,
+// so the partial sums read L2. They used to be prefetched by the row-map warps after each flag:
+// a group of warps starts its first item only when its slowest warp is done with records and
+// maps, and those prefetches (~400 lines per map warp) made the group wait (traced: first items
+// ready 7.4-12 us, the maps' stamps spread to 10 us). Prefetches do not stall the warp, but the
+// range load before them does: the warps whose lanes poll the acknowledgements (thread r polls
+// rank r, wait_released) take no share.
+template <int kHidden, int kRanks, int kExperts, int kMaxTokens, int kWarps>
+__device__ __forceinline__ void combine_prefetch_rows(const CombineParams &p) {
     constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens, kPairs = kLocalExperts * kRanks;
     constexpr int kRowBytes = kHidden * 2, kLines = (kRowBytes + 127) / 128;
+    constexpr int kPollWarps = (kRanks + 31) / 32, kFetchWarps = kWarps - kPollWarps;
+    if (kFetchWarps <= 0 || warp_id() < kPollWarps) return;
+    const PairSplit split(blockIdx.x * kFetchWarps + warp_id() - kPollWarps, gridDim.x * kFetchWarps, kPairs);
+    for (int pair = split.p0; pair < kPairs; pair += split.step) {
+        const long long range = __ldg(p.layout_range + pair);
+        const long long begin = range >> 32, count = range & 0xffffffffll;
+        if (begin < 0 || begin + count > kSlots) continue;   // not a handle of this shape: the map skips it too
+        const char *rows = static_cast<const char *>(p.x) + ((pair / kRanks) * static_cast<long long>(kSlots) + begin) * kRowBytes;
+        for (long long i = split.j0; i < count; i += split.stride)
+            for (int l = lane_id(); l < kLines; l += 32) prefetch_l2(rows + i * kRowBytes + 128 * l);
+    }
+}
+
+// Expert side, local memory only: the row map of each (local expert, source) pair, one pair per
+// warp and claim, then the pair's flag. A token listed twice in a pair (an expert named in two
+// top-k slots) maps to its last row, as in the oracle. After the release wait: the set's previous
+// send part (which read the maps) has ended.
+template <int kRanks, int kExperts, int kMaxTokens>
+__device__ void combine_build_map(const CombineParams &p, unsigned long long epoch) {
+    constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens, kPairs = kLocalExperts * kRanks;
     const int lane = lane_id();
     unsigned int *counter = p.tickets + kClaimMaps;
     for (int pair = warp_claim(counter); pair < kPairs; pair = warp_claim(counter)) {
@@ -467,10 +503,6 @@ __device__ void combine_build_map(const CombineParams &p, unsigned long long epo
         }
         __syncwarp();   // every lane's entries before the flag
         if (lane == 0) st_release_gpu(p.map_flags + pair, epoch);
-        for (long long i = lane; i < count; i += 32) {
-            const char *row = static_cast<const char *>(p.x) + (static_cast<long long>(el) * kSlots + begin + i) * kRowBytes;
-            for (int l = 0; l < kLines; ++l) prefetch_l2(row + 128 * l);
-        }
     }
 }
 
@@ -791,12 +823,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
         int t = warp_claim(p.tickets + kClaimRecords), e;   // the first record, loaded during the release wait
         float w;
         load_record<kTopK, kExperts, TopkT>(p, t, e, w);
+        combine_prefetch_rows<kHidden, kRanks, kExperts, kMaxTokens, kThreads / 32>(p);
         wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);
         trace_stamp(p.trace, kTrReleased);
         if (!s.abort) {   // block-uniform: the item groups below sync on barriers
             combine_send_records<kTopK, kRanks, kExperts, kMaxTokens, TopkT>(p, s, epoch, t, e, w);
             trace_stamp(p.trace, kTrSendA);
-            combine_build_map<kHidden, kRanks, kExperts, kMaxTokens>(p, epoch);
+            combine_build_map<kRanks, kExperts, kMaxTokens>(p, epoch);
             trace_stamp(p.trace, kTrSendB);
             combine_send_partials<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, items);
             trace_stamp(p.trace, kTrSendC);
