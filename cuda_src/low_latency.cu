@@ -453,38 +453,16 @@ __device__ void combine_send_records(const CombineParams &p, const BlockState<kR
     }
 }
 
-// Before the release wait (inputs only, nothing remote): every warp of the grid pulls its share of
-// the rows the handle names (x [E_l][R*T][H], each (local expert, source) pair's range) into L2,
-// so the partial sums read L2. They used to be prefetched by the row-map warps after each flag:
-// a group of warps starts its first item only when its slowest warp is done with records and
-// maps, and those prefetches (~400 lines per map warp) made the group wait (traced: first items
-// ready 7.4-12 us, the maps' stamps spread to 10 us). Prefetches do not stall the warp, but the
-// range load before them does: the warps whose lanes poll the acknowledgements (thread r polls
-// rank r, wait_released) take no share.
-template <int kHidden, int kRanks, int kExperts, int kMaxTokens, int kWarps>
-__device__ __forceinline__ void combine_prefetch_rows(const CombineParams &p) {
-    constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens, kPairs = kLocalExperts * kRanks;
-    constexpr int kRowBytes = kHidden * 2, kLines = (kRowBytes + 127) / 128;
-    constexpr int kPollWarps = (kRanks + 31) / 32, kFetchWarps = kWarps - kPollWarps;
-    if (kFetchWarps <= 0 || warp_id() < kPollWarps) return;
-    const PairSplit split(blockIdx.x * kFetchWarps + warp_id() - kPollWarps, gridDim.x * kFetchWarps, kPairs);
-    for (int pair = split.p0; pair < kPairs; pair += split.step) {
-        const long long range = __ldg(p.layout_range + pair);
-        const long long begin = range >> 32, count = range & 0xffffffffll;
-        if (begin < 0 || begin + count > kSlots) continue;   // not a handle of this shape: the map skips it too
-        const char *rows = static_cast<const char *>(p.x) + ((pair / kRanks) * static_cast<long long>(kSlots) + begin) * kRowBytes;
-        for (long long i = split.j0; i < count; i += split.stride)
-            for (int l = lane_id(); l < kLines; l += 32) prefetch_l2(rows + i * kRowBytes + 128 * l);
-    }
-}
-
 // Expert side, local memory only: the row map of each (local expert, source) pair, one pair per
 // warp and claim, then the pair's flag. A token listed twice in a pair (an expert named in two
-// top-k slots) maps to its last row, as in the oracle. After the release wait: the set's previous
-// send part (which read the maps) has ended.
-template <int kRanks, int kExperts, int kMaxTokens>
+// top-k slots) maps to its last row, as in the oracle. After the flag, the mapped rows are pulled
+// into L2 (prefetches issued before the flag delayed it by microseconds), so the partial sums
+// mostly read them from L2. After the release wait: the set's previous send part (which read the
+// maps) has ended.
+template <int kHidden, int kRanks, int kExperts, int kMaxTokens>
 __device__ void combine_build_map(const CombineParams &p, unsigned long long epoch) {
     constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens, kPairs = kLocalExperts * kRanks;
+    constexpr int kRowBytes = kHidden * 2, kLines = (kRowBytes + 127) / 128;
     const int lane = lane_id();
     unsigned int *counter = p.tickets + kClaimMaps;
     for (int pair = warp_claim(counter); pair < kPairs; pair = warp_claim(counter)) {
@@ -503,6 +481,10 @@ __device__ void combine_build_map(const CombineParams &p, unsigned long long epo
         }
         __syncwarp();   // every lane's entries before the flag
         if (lane == 0) st_release_gpu(p.map_flags + pair, epoch);
+        for (long long i = lane; i < count; i += 32) {
+            const char *row = static_cast<const char *>(p.x) + (static_cast<long long>(el) * kSlots + begin + i) * kRowBytes;
+            for (int l = 0; l < kLines; ++l) prefetch_l2(row + 128 * l);
+        }
     }
 }
 
@@ -823,13 +805,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
         int t = warp_claim(p.tickets + kClaimRecords), e;   // the first record, loaded during the release wait
         float w;
         load_record<kTopK, kExperts, TopkT>(p, t, e, w);
-        combine_prefetch_rows<kHidden, kRanks, kExperts, kMaxTokens, kThreads / 32>(p);
         wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);
         trace_stamp(p.trace, kTrReleased);
         if (!s.abort) {   // block-uniform: the item groups below sync on barriers
             combine_send_records<kTopK, kRanks, kExperts, kMaxTokens, TopkT>(p, s, epoch, t, e, w);
             trace_stamp(p.trace, kTrSendA);
-            combine_build_map<kRanks, kExperts, kMaxTokens>(p, epoch);
+            combine_build_map<kHidden, kRanks, kExperts, kMaxTokens>(p, epoch);
             trace_stamp(p.trace, kTrSendB);
             combine_send_partials<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, items);
             trace_stamp(p.trace, kTrSendC);
