@@ -42,11 +42,11 @@
 // Send part, after the release wait, its work claimed from per-set counters in this order (so the
 // running blocks, however few, finish everything the others wait for before waiting themselves):
 // source side, every other live rank gets this rank's top-k record (K expert ids, K weights) of
-// every token slot t < T; expert side, the row map of each (local expert, source) pair is built
-// from the handle (row_map[source][expert][token] = packed row, -1 = none; then a per-pair flag);
-// then for each (source, token) whose ids (the source's record, or this rank's own top-k) name one
-// of this rank's experts, one group of warps (kItemGroups per block) sums w_k * row_k in fp32, k
-// ascending over the local experts, into the source's slot [expert rank][token]. Receive part: one
+// every token slot t < T; expert side, for each (source, token) whose ids (the source's record, or
+// this rank's own top-k) name one of this rank's experts, one group of warps (kItemGroups per
+// block) finds the token's row under each of them in the handle (find_rows: the rows of a (local
+// expert, source) pair hold ascending tokens) and sums w_k * row_k in fp32, k ascending over the
+// local experts, into the source's slot [expert rank][token]. Receive part: one
 // block per token waits for the partial sum of each rank holding one of its experts and adds them
 // in fp32, ranks ascending, then rounds to bf16, exactly as epcomm.reference.oracle.ll_combine_rows.
 // An ack now also covers the send part's reads of the records (finish_recv waits for its end).
@@ -115,12 +115,10 @@ struct CombineParams {
     unsigned int *failed;
     unsigned long long *record_tags;   // [R][T]: one per (source rank, token), put sources only
     unsigned long long *partial_tags;  // [R][T]: one per (expert rank, token)
-    unsigned long long *map_flags;     // [E_l][R]: the row map of (local expert, source) is built
     char *records;                     // [R][T][kRecordBytes] stamped words, by source rank (signal region)
     char *partials;                    // [R][T][H] f32, by expert rank, channels in PartialLayout order (protocol)
     char *record_stage;                // [T][kRecordBytes], source of puts
     char *partial_stage;               // [R][T][H] f32, by source rank, source of puts
-    int *row_map;                      // [R][E_l][T]: packed row of (source, local expert, token), -1 = none
     ErrorRecord *err;
     unsigned long long timeout_ns;
     int num_tokens;
@@ -131,12 +129,12 @@ struct CombineParams {
     int op;
     unsigned long long *trace;         // [blocks][warps][kTraceSlots] in EPCOMM_LL_TRACE builds, else null
 };
-static_assert(sizeof(CombineParams) == 224, "mirrored by epcomm.ops.low_latency.CombineParams");
+static_assert(sizeof(CombineParams) == 208, "mirrored by epcomm.ops.low_latency.CombineParams");
 // A combine top-k record: per top-k slot two stamped words (protocol: stamped()), the expert id and
 // the weight's bits; sized for MAX_TOPK = 32.
 constexpr int kRecordBytes = 512;
 // epcomm.ops.low_latency.COMBINE_PHASES
-enum CombinePhase { kPhaseRelease, kPhaseRecord, kPhaseRowMap, kPhasePartial, kPhaseSendEnd };
+enum CombinePhase { kPhaseRelease, kPhaseRecord, kPhasePartial, kPhaseSendEnd };
 
 // ==== dispatch ===================================================================================
 // The send part. A token goes once to each rank that holds one of its experts (not once per
@@ -394,10 +392,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
 
 // ==== combine ====================================================================================
 // The send part takes its work from the set's claim counters (warp_claim): first the records of every
-// token slot, then the row maps, then the (source, token) items; the launch's last block resets
-// the counters (finish_send). So the warps that are running, however few blocks (another kernel may
-// hold SMs: hook mode, a second micro-batch on another stream), do every record and map before any
-// of them waits for a record or a map, and no wait ever depends on a block that is not resident.
+// token slot, then the (source, token) items; the launch's last block resets the counters
+// (finish_send). So the warps that are running, however few blocks (another kernel may hold SMs:
+// hook mode, a second micro-batch on another stream), send every record before any of them waits
+// for a record, and no wait ever depends on a block that is not resident.
 
 // Source side: every other live rank gets this rank's top-k record of every token slot t < T (slots
 // t >= N name no expert), so each expert rank knows exactly which partial sums to make, with the
@@ -453,39 +451,70 @@ __device__ void combine_send_records(const CombineParams &p, const BlockState<kR
     }
 }
 
-// Expert side, local memory only: the row map of each (local expert, source) pair, one pair per
-// warp and claim, then the pair's flag. A token listed twice in a pair (an expert named in two
-// top-k slots) maps to its last row, as in the oracle. After the flag, the mapped rows are pulled
-// into L2 (prefetches issued before the flag delayed it by microseconds), so the partial sums
-// mostly read them from L2. After the release wait: the set's previous send part (which read the
-// maps) has ended.
-template <int kHidden, int kRanks, int kExperts, int kMaxTokens>
-__device__ void combine_build_map(const CombineParams &p, unsigned long long epoch) {
-    constexpr int kLocalExperts = kExperts / kRanks, kSlots = kRanks * kMaxTokens, kPairs = kLocalExperts * kRanks;
-    constexpr int kRowBytes = kHidden * 2, kLines = (kRowBytes + 127) / 128;
+// Expert side: the packed row of token t under each top-k slot (lane k < kTopK) naming a local
+// expert, from the handle alone: the rows of (local expert el, source) are [begin, begin + count)
+// of layout_range, and src_info there holds their tokens in ascending order (the source's list
+// order; a token named by two slots twice in a row: the last one is taken, as in the oracle).
+// Warp-collective. Lane k gives el and the pair's range (count 0: none); it gets
+// el * R*T + begin + i for the last i with src_info == t, or -1. While the ranges together hold at
+// most 64 rows (K=8 of 288 experts at N=128: ~14) the warp reads them all at once, one memory
+// round trip; beyond that each lane searches its own range by bisection. It replaced a row map
+// that other warps built in the buffer, with a flag per (local expert, source): each item waited
+// for its maps' flags, then read the map (traced: the first items were ready 7.4-12 us into the
+// kernel, gated by the slowest map warp of each group).
+template <int kTopK, int kSlots>
+__device__ __forceinline__ long long find_rows(const int *src_info, int el, long long begin, int count, int t) {
+    constexpr unsigned kAll = 0xffffffffu;
+    constexpr int kFlat = 64, kRounds = kFlat / 32;
     const int lane = lane_id();
-    unsigned int *counter = p.tickets + kClaimMaps;
-    for (int pair = warp_claim(counter); pair < kPairs; pair = warp_claim(counter)) {
-        const int el = pair / kRanks, src = pair % kRanks;
-        int *map = p.row_map + (static_cast<long long>(src) * kLocalExperts + el) * kMaxTokens;
-        for (int t = lane; t < kMaxTokens; t += 32) map[t] = -1;
-        __syncwarp();   // the -1s before other lanes' rows for the same tokens
-        const long long range = __ldg(p.layout_range + pair);
-        long long begin = range >> 32, count = range & 0xffffffffll;
-        if (begin < 0 || begin + count > kSlots) begin = count = 0;   // not a handle of this shape: no rows
-        const int *info = p.src_info + static_cast<long long>(el) * kSlots + begin;
-        for (long long i = lane; i < count; i += 32) {
-            const int t = __ldg(info + i);
-            if (t < 0 || t >= kMaxTokens || (i + 1 < count && __ldg(info + i + 1) == t)) continue;
-            map[t] = static_cast<int>(begin + i);
-        }
-        __syncwarp();   // every lane's entries before the flag
-        if (lane == 0) st_release_gpu(p.map_flags + pair, epoch);
-        for (long long i = lane; i < count; i += 32) {
-            const char *row = static_cast<const char *>(p.x) + (static_cast<long long>(el) * kSlots + begin + i) * kRowBytes;
-            for (int l = 0; l < kLines; ++l) prefetch_l2(row + 128 * l);
-        }
+    int inclusive = count;   // prefix sums of the lanes' counts
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(kAll, inclusive, o);
+        if (lane >= o) inclusive += v;
     }
+    const int total = __shfl_sync(kAll, inclusive, 31), exclusive = inclusive - count;
+    const int *rows = src_info + static_cast<long long>(el) * kSlots + begin;   // lane k's pair
+    int found = -1;
+    if (total <= kFlat) {   // flat index j = (exclusive prefix of slot k) + i: lane j % 32, round j / 32
+        int token[kRounds], owner[kRounds];
+        const int *at[kRounds];
+#pragma unroll
+        for (int r = 0; r < kRounds; ++r) owner[r] = token[r] = -1;
+#pragma unroll
+        for (int k = 0; k < kTopK; ++k) {   // which slot's rows hold flat index j
+            const int first = __shfl_sync(kAll, exclusive, k), n = __shfl_sync(kAll, count, k);
+            const int *base = reinterpret_cast<const int *>(
+                __shfl_sync(kAll, reinterpret_cast<unsigned long long>(rows), k));
+#pragma unroll
+            for (int r = 0; r < kRounds; ++r) {
+                const int j = 32 * r + lane;
+                if (j >= first && j < first + n) {
+                    owner[r] = k;
+                    at[r] = base + (j - first);
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < kRounds; ++r)   // all loads in flight before the first use
+            if (owner[r] >= 0) token[r] = __ldg(at[r]);
+#pragma unroll
+        for (int k = 0; k < kTopK; ++k) {   // each slot's highest matching flat index
+#pragma unroll
+            for (int r = kRounds - 1; r >= 0; --r) {
+                const unsigned hit = __ballot_sync(kAll, owner[r] == k && token[r] == t);
+                if (hit != 0u && lane == k && found < 0) found = 32 * r + 31 - __clz(hit) - exclusive;
+            }
+        }
+    } else if (count > 0) {   // bisection: the first row whose token is > t, then one step back
+        int lo = 0, hi = count;
+        while (lo < hi) {
+            const int mid = (lo + hi) / 2;
+            if (__ldg(rows + mid) <= t) lo = mid + 1; else hi = mid;
+        }
+        if (lo > 0 && __ldg(rows + lo - 1) == t) found = lo - 1;
+    }
+    return found >= 0 ? static_cast<long long>(el) * kSlots + begin + found : -1;
 }
 
 // What one group of warps knows about the (source, token) item it works on, its latest claim,
@@ -513,7 +542,7 @@ enum ItemState { kItemSkip, kItemSend, kItemFailed };
 
 // Expert side: for each (source, token) item, one per group of warps and claim (kItemGroups per
 // block), remote sources first, the group takes the top-k ids and weights (a remote source's
-// record, once its tag arrived; this rank's own topk_idx / topk_weights), looks up the rows of the local experts they name (row map)
+// record, once its tag arrived; this rank's own topk_idx / topk_weights), finds the rows of the local experts they name (find_rows)
 // and stores the partial sum sum_k w_k * row_k (fp32, k ascending) into the source's slot
 // [this rank][token] (a direct store, or the stage of a put). Every 32 items and at the end: one
 // fence, then all their tags. An item whose ids name no local expert sends nothing: the source does
@@ -597,8 +626,9 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
                 weight = __uint_as_float(static_cast<uint32_t>(wt));
             }
             w = __any_sync(kAll, w == kFailed) ? kFailed : __any_sync(kAll, w == kMasked) ? kMasked : kReady;
-            long long row = -1;
             bool local = false, failed = w == kFailed;
+            int el = 0, count = 0;
+            long long begin = 0;
             if (w == kReady && lane < kTopK) {
                 if (own && t < p.num_tokens) {
                     e = expert_at<TopkT, kExperts>(p.topk_idx, static_cast<long long>(t) * kTopK + lane);
@@ -606,16 +636,14 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
                 }
                 local = e >= 0 && e < kExperts && e / kLocalExperts == p.rank;
                 if (local) {
-                    const int el = e % kLocalExperts;
-                    const unsigned long long *flag = p.map_flags + el * kRanks + src;
-                    if (ctx.wait(p.rank, kPhaseRowMap, [&] { return ld_relaxed_sys(flag) == epoch && ld_acquire_sys(flag) == epoch; })) {
-                        const int r = ld_cg(p.row_map + (static_cast<long long>(src) * kLocalExperts + el) * kMaxTokens + t);
-                        if (r >= 0) row = static_cast<long long>(el) * kSlots + r;
-                    } else {
-                        failed = true;
-                    }
+                    el = e % kLocalExperts;
+                    const long long range = __ldg(p.layout_range + el * kRanks + src);
+                    begin = range >> 32;
+                    count = static_cast<int>(range & 0xffffffffll);
+                    if (begin < 0 || count < 0 || begin + count > kSlots) begin = count = 0;   // not a handle of this shape
                 }
             }
+            const long long row = find_rows<kTopK, kSlots>(p.src_info, el, begin, count, t);
             const unsigned with_row = __ballot_sync(kAll, row >= 0);   // lanes >= kTopK have none
             if (row >= 0) {
                 const int j = __popc(with_row & ((1u << lane) - 1u));   // slots ascending
@@ -810,8 +838,6 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
         if (!s.abort) {   // block-uniform: the item groups below sync on barriers
             combine_send_records<kTopK, kRanks, kExperts, kMaxTokens, TopkT>(p, s, epoch, t, e, w);
             trace_stamp(p.trace, kTrSendA);
-            combine_build_map<kHidden, kRanks, kExperts, kMaxTokens>(p, epoch);
-            trace_stamp(p.trace, kTrSendB);
             combine_send_partials<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, items);
             trace_stamp(p.trace, kTrSendC);
         }

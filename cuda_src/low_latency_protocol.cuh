@@ -123,11 +123,11 @@ constexpr int kTraceSlots = 14;
 // Dispatch: start, released, messages sent, lists sent, send part done, receive start, first
 // pair's lists ready, receive copies done, end; then the first message's stores issued (before its
 // tag's release store), that release store done, a list's scan done (before its tag), and the
-// number of messages the warp sent. Combine: start, released, records sent, row maps built, items
-// done, send part done, receive start, first token's partials ready, receive done, end; then the
-// group's first item ready (record and row map seen), its sum stored, the last flush started (its
-// fence before the tags), and the number of items the group sent (slot numbers below; unused
-// slots stay 0; `count` holds a number, not a time).
+// number of messages the warp sent. Combine: start, released, records sent, (send_b unused),
+// items done, send part done, receive start, first token's partials ready, receive done, end;
+// then the group's first item ready (record seen, rows found), its sum stored, the last flush
+// started (its fence before the tags), and the number of items the group sent (slot numbers
+// below; unused slots stay 0; `count` holds a number, not a time).
 enum TraceSlot : int {
     kTrStart = 0, kTrReleased = 1, kTrSendA = 2, kTrSendB = 3, kTrSendC = 4, kTrSendDone = 5,
     kTrRecvStart = 6, kTrRecvReady = 7, kTrRecvDone = 8, kTrEnd = 9, kTrAuxA = 10, kTrAuxB = 11, kTrAuxC = 12,
@@ -221,13 +221,13 @@ template <int kRanks> struct BlockState {
 // the grid tickets of a launch's send and receive parts, then the combine send part's work claims.
 // finish_send's last block resets the send ticket (and the combine's claims), finish_recv's the
 // receive ticket.
-enum Counter { kTicketSend, kTicketRecv, kClaimRecords, kClaimMaps, kClaimItems, kCounters = 8 };
+enum Counter { kTicketSend, kTicketRecv, kClaimRecords, kClaimItems, kCounters = 8 };
 
 // A warp's claim of the next unit of this launch's work: lane 0's atomicAdd on the counter. Work
 // taken in atomicAdd order goes to whichever warps are running, so no warp ever waits for work
 // that only a block not (yet) resident would do: a launch may get fewer SMs than blocks while
 // another kernel holds some. One unit per warp spreads the work over every running SM (claims of
-// a whole block's warps put the 128 records of N=128 on 8 SMs and the 288 row maps on 18).
+// a whole block's warps put the 128 records of N=128 on 8 SMs).
 __device__ __forceinline__ int warp_claim(unsigned int *counter) {
     int v = 0;
     if (lane_id() == 0) v = static_cast<int>(atomicAdd(counter, 1u));
@@ -289,7 +289,7 @@ __device__ void finish_send(BlockState<kRanks> &s, unsigned int *counters, unsig
     if (kCombine) __threadfence();
     counters[kTicketSend] = 0;
     if (kCombine) {
-        counters[kClaimRecords] = counters[kClaimMaps] = counters[kClaimItems] = 0;
+        counters[kClaimRecords] = counters[kClaimItems] = 0;
         __threadfence();
     }
     *epoch = value;

@@ -658,7 +658,7 @@ def test_sends_with_most_sms_held(dist_env, sm_holder, free_sms):
     """Another kernel (another stream) holds all SMs but `free_sms` while the hook-mode send parts of
     dispatch and combine, and a fused combine, run: only that many of their blocks are resident at
     a time, so no block may wait for work that a later block would do (the combine send part claims
-    records, row maps and items from counters). Each must finish while the SMs are held, without a
+    records and items from counters). Each must finish while the SMs are held, without a
     timeout, bit for bit against the oracle. (A fused dispatch is not run here: its blocks send their
     own tokens and lists, then wait for the peer's.)"""
     case, rank, num_ranks, dev = FP8_TARGET, dist_env.rank, dist_env.world_size, dist_env.device

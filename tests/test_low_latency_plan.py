@@ -71,7 +71,7 @@ def _regions(layout: lay.Layout):
         out += [(f"acks{s}", layout.acks(s), 8 * R), (f"epochs{s}", layout.epochs(s), 16),
                 (f"tickets{s}", layout.tickets(s), lay.TICKET_BYTES),
                 (f"token_tags{s}", layout.token_tags(s), 8 * R * T), (f"record_tags{s}", layout.record_tags(s), 8 * R * T),
-                (f"partial_tags{s}", layout.partial_tags(s), 8 * R * T), (f"map_flags{s}", layout.map_flags(s), 8 * E),
+                (f"partial_tags{s}", layout.partial_tags(s), 8 * R * T),
                 (f"list_tags{s}", layout.list_tags(s), 8 * E), (f"lists{s}", layout.lists(s), E * lay.list_bytes(T)),
                 (f"combine_send{s}", layout.send(s), E * T * 2 * H),
                 (f"message_stage{s}", layout.send(s), T * max(lay.message_bytes(H, H % 128 == 0), 2 * H)),
@@ -80,8 +80,7 @@ def _regions(layout: lay.Layout):
                 (f"partials{s}", layout.recv(s), R * T * 4 * H),
                 (f"records{s}", layout.records(s), R * T * lay.RECORD_BYTES),
                 (f"partial_stage{s}", layout.partial_stage(s), R * T * 4 * H),
-                (f"record_stage{s}", layout.record_stage(s), T * lay.RECORD_BYTES),
-                (f"row_map{s}", layout.row_map(s), 4 * E * T)]
+                (f"record_stage{s}", layout.record_stage(s), T * lay.RECORD_BYTES)]
     return out
 
 
@@ -89,7 +88,7 @@ def _regions(layout: lay.Layout):
 # the zero-copy combine input or dispatch's put stages; recv holds dispatch messages or the
 # combine regions.
 _SHARED_OK = {frozenset((a, b)) for a in ("combine_send",) for b in ("message_stage", "list_stage")} | \
-    {frozenset(("messages", b)) for b in ("partials", "partial_stage", "record_stage", "row_map")}
+    {frozenset(("messages", b)) for b in ("partials", "partial_stage", "record_stage")}
 
 
 @pytest.mark.parametrize("T, H, R, E", [(128, 7168, 2, 288), (1, 8, 1, 1), (1024, 8192, 8, 256),
@@ -172,20 +171,17 @@ def test_trace_builds_compile_and_link():
     assert set(built.lowered) == set(kernels)
 
 
-def _combine_send_model(rnd, ranks, grid, resident, tokens, pairs, warps, fused, claims=True, needs=None):
+def _combine_send_model(rnd, ranks, grid, resident, tokens, warps, fused, claims=True):
     """The combine send part (then, fused, the receive part) on every rank, blocks scheduled at
     random with at most `resident` blocks of a rank running, the others started in blockIdx order
-    as running ones exit (a launch that another kernel's SMs leave short). claims: records and maps
-    (`warps` units per step of a block: the kernel's warps each claim one), items (one per claim)
-    from the rank's counters, as the kernel; otherwise the old static split by blockIdx. Each item needs the source's record (not for
-    this rank's own) and one random map pair of this rank; a fused block then waits for every
-    rank's partial of its tokens t = blockIdx + j * grid. -> True if every block finished."""
-    if needs is None:
-        needs = {(r, i): rnd.randrange(pairs) for r in range(ranks) for i in range(ranks * tokens)}
+    as running ones exit (a launch that another kernel's SMs leave short). claims: records (`warps`
+    units per step of a block: the kernel's warps each claim one), then items (one per claim) from
+    the rank's counters, as the kernel; otherwise the old static split by blockIdx. Each item
+    needs the source's record (not for this rank's own); a fused block then waits for every rank's
+    partial of its tokens t = blockIdx + j * grid. -> True if every block finished."""
     record = [[False] * tokens for _ in range(ranks)]      # record[src][t] sent to every rank
-    built = [[False] * pairs for _ in range(ranks)]
     partial = [[[False] * tokens for _ in range(ranks)] for _ in range(ranks)]   # [expert rank][src][t]
-    counters = [[0, 0, 0] for _ in range(ranks)]
+    counters = [[0, 0] for _ in range(ranks)]
     blocks = [{"rank": r, "b": b, "phase": 0, "item": None, "units": None} for r in range(ranks) for b in range(grid)]
     waiting = {r: [blk for blk in blocks if blk["rank"] == r] for r in range(ranks)}
     running = []
@@ -194,46 +190,43 @@ def _combine_send_model(rnd, ranks, grid, resident, tokens, pairs, warps, fused,
         b = blk["b"]
         if phase == 0:
             return [t for w in range(warps) for t in range((warps - 1 - w) * grid + b, tokens, grid * warps)]
-        if phase == 1:
-            return [q for w in range(warps) for q in range(b * warps + w, pairs, grid * warps)]
         return list(range(b, ranks * tokens, grid))
 
     def step(blk):   # one step of a running block; False if it is waiting
         rank, phase = blk["rank"], blk["phase"]
-        if phase < 2:
-            n = tokens if phase == 0 else pairs
+        if phase == 0:
             if claims:
-                base = counters[rank][phase]
-                counters[rank][phase] += warps
-                if base >= n:
-                    blk["phase"] += 1
+                base = counters[rank][0]
+                counters[rank][0] += warps
+                if base >= tokens:
+                    blk["phase"] = 1
                     return True
-                got = range(base, min(base + warps, n))
+                got = range(base, min(base + warps, tokens))
             else:
-                got = units(blk, phase)
-                blk["phase"] += 1
-            for u in got:
-                (record if phase == 0 else built)[rank][u] = True
+                got = units(blk, 0)
+                blk["phase"] = 1
+            for t in got:
+                record[rank][t] = True
             return True
-        if phase == 2:
+        if phase == 1:
             if blk["item"] is None:
                 if claims:
-                    i = counters[rank][2]
-                    counters[rank][2] += 1
+                    i = counters[rank][1]
+                    counters[rank][1] += 1
                     if i >= ranks * tokens:
-                        blk["phase"] = 3
+                        blk["phase"] = 2
                         return True
                 else:
-                    blk["units"] = units(blk, 2) if blk["units"] is None else blk["units"]
+                    blk["units"] = units(blk, 1) if blk["units"] is None else blk["units"]
                     if not blk["units"]:
-                        blk["phase"] = 3
+                        blk["phase"] = 2
                         return True
                     i = blk["units"].pop(0)
                 blk["item"] = i
                 return True
             i = blk["item"]
             src, t = (rank + 1 + i // tokens) % ranks, i % tokens
-            if (not record[src][t] and (src != rank or not claims)) or not built[rank][needs[(rank, i)]]:
+            if not record[src][t] and (src != rank or not claims):
                 return False
             partial[rank][src][t] = True
             blk["item"] = None
@@ -259,20 +252,21 @@ def _combine_send_model(rnd, ranks, grid, resident, tokens, pairs, warps, fused,
 
 @pytest.mark.parametrize("seed", range(30))
 def test_combine_send_claims_progress_with_few_resident_blocks(seed):
-    """Model of cuda_src/low_latency.cu's combine send part (claims: records, then row maps, then
-    items): with any number >= 1 of resident blocks per rank, in any order, every launch ends, fused
-    or not. The old static split by blockIdx deadlocks in the same model once one block is resident
-    and another block owns a record or a map (the model can tell)."""
+    """Model of cuda_src/low_latency.cu's combine send part (claims: records, then items): with
+    any number >= 1 of resident blocks per rank, in any order, every launch ends, fused or not. The
+    old static split by blockIdx deadlocks in the same model once one block is resident and an item
+    needs a record another block owns (the model can tell)."""
     rnd = random.Random(seed)
-    shape = dict(ranks=rnd.randint(1, 3), grid=rnd.randint(2, 6), tokens=rnd.randint(1, 12),
-                 pairs=rnd.randint(1, 12), warps=rnd.randint(1, 3))
+    shape = dict(ranks=rnd.randint(1, 3), grid=rnd.randint(2, 6), tokens=rnd.randint(1, 12), warps=rnd.randint(1, 3))
     for resident in (1, rnd.randint(1, shape["grid"]), shape["grid"]):
         for fused in (False, True):
             assert _combine_send_model(random.Random(seed * 7 + resident), resident=resident, fused=fused, **shape), \
                 (shape, resident, fused)
-    # item i (block i % 4 in the static split) needs map pair i + 1 (block (i + 1) % 4)
-    static = dict(ranks=2, grid=4, tokens=8, pairs=8, warps=1, needs={(r, i): (i + 1) % 8 for r in range(2) for i in range(16)})
+    # 3 tokens on 2 blocks, statically: each rank's block 0 takes items 0, 2 and 4; item 4 is the
+    # rank's own token 1, whose record (the old kernel waited for its own too) is block 1's, and
+    # block 1 starts only once block 0 has ended.
+    static = dict(ranks=2, grid=2, tokens=3, warps=1)
     for fused in (False, True):
         assert not _combine_send_model(random.Random(seed), resident=1, fused=fused, claims=False, **static)
-        assert _combine_send_model(random.Random(seed), resident=4, fused=fused, claims=False, **static)
+        assert _combine_send_model(random.Random(seed), resident=2, fused=fused, claims=False, **static)
         assert _combine_send_model(random.Random(seed), resident=1, fused=fused, **static)

@@ -34,8 +34,7 @@ DISPATCH_PHASES = ["wait for a peer to release the buffer set", "wait for a sour
                    "wait for a token's message"]
 # epcomm::ll::CombinePhase
 COMBINE_PHASES = ["wait for a peer to release the buffer set", "wait for a source's top-k record",
-                  "wait for this rank's row map", "wait for an expert rank's partial sum",
-                  "wait for this rank's send part to end"]
+                  "wait for an expert rank's partial sum", "wait for this rank's send part to end"]
 
 _SHARED = [("heap", _P), ("peer_bases", _P), ("acks", _P), ("epochs", _P), ("tickets", _P), ("mask", _P),
            ("failed", _P)]
@@ -57,8 +56,8 @@ class CombineParams(ctypes.Structure):
     """Mirror of epcomm::ll::CombineParams."""
     _fields_ = [("x", _P), ("src_info", _P), ("layout_range", _P), ("topk_idx", _P), ("topk_weights", _P),
                 ("out", _P), ("wait_recv_cost_stats", _P)] + _SHARED + [
-                ("record_tags", _P), ("partial_tags", _P), ("map_flags", _P), ("records", _P), ("partials", _P),
-                ("record_stage", _P), ("partial_stage", _P), ("row_map", _P), ("err", _P),
+                ("record_tags", _P), ("partial_tags", _P), ("records", _P), ("partials", _P),
+                ("record_stage", _P), ("partial_stage", _P), ("err", _P),
                 ("timeout_ns", ctypes.c_uint64),
                 ("num_tokens", ctypes.c_int), ("rank", ctypes.c_int), ("phases", ctypes.c_int),
                 ("use_nvlink", ctypes.c_int), ("enable_shrink", ctypes.c_int), ("op", ctypes.c_int),
@@ -97,7 +96,7 @@ TRACE_MEANING = {"dispatch": {"send_a": "messages sent", "send_b": "lists sent",
                               "recv_ready": "first pair's lists ready", "aux_a": "first message's stores issued",
                               "aux_b": "first message's release store done", "aux_c": "a list scanned",
                               "count": "messages sent by the warp"},
-                 "combine": {"send_a": "records sent", "send_b": "row maps built", "send_c": "items done",
+                 "combine": {"send_a": "records sent", "send_c": "items done",
                              "recv_ready": "first token's partials ready", "aux_a": "group's first item ready",
                              "aux_b": "group's first sum stored", "aux_c": "last flush started",
                              "count": "items the group sent"}}
@@ -335,9 +334,8 @@ class LowLatency:
     def _combine_params(self, layout: Layout, s: int) -> CombineParams:
         p, base = CombineParams(), self.gb.rdma.ptr
         self._fill_shared(p, layout, s, self.combine_op)
-        p.record_tags, p.partial_tags, p.map_flags = (base + layout.record_tags(s), base + layout.partial_tags(s),
-                                                      base + layout.map_flags(s))
-        p.records, p.partials, p.row_map = base + layout.records(s), base + layout.recv(s), base + layout.row_map(s)
+        p.record_tags, p.partial_tags = base + layout.record_tags(s), base + layout.partial_tags(s)
+        p.records, p.partials = base + layout.records(s), base + layout.recv(s)
         p.record_stage, p.partial_stage = base + layout.record_stage(s), base + layout.partial_stage(s)
         return p
 

@@ -7,15 +7,13 @@ calls rdma_size_hint on the CPU).
 control   (depends on R only; offset 0)
           per set: acks [R] u64 (written by the peers), epochs [2] u64 (calls sent / received on the
           set), tickets [8] u32 (epcomm::ll::Counter: blocks done with the current launch's send /
-          receive part, then the combine send part's work claims: records, maps, items);
+          receive part, then the combine send part's work claims: records, items);
           then failed u32 (16 B: the kernels' sticky failure flag, set with the PeerTimeout record),
           then mask [R] i32 (enable_shrink).
 signals   per set, depends on (T, E): token_tags [R][T] u64 (dispatch messages: a token goes once
           to each rank), record_tags [R][T] u64 (combine: top-k records, by source rank),
-          partial_tags [R][T] u64 (combine: partial sums, by expert rank), map_flags [E_l][R] u64
-          (combine: this rank's row map of each (local expert, source) is built; never remote),
-          list_tags [E_l][R] u64, lists [E_l][R][16 + 4T] (count + token indices of each
-          (local expert, source)), records [R][T][512 B] (combine: received top-k ids + weights,
+          partial_tags [R][T] u64 (combine: partial sums, by expert rank), list_tags [E_l][R] u64,
+          lists [E_l][R][16 + 4T] (count + token indices of each (local expert, source)), records [R][T][512 B] (combine: received top-k ids + weights,
           by source rank, as stamped words that carry their call: no tag, no fence; here, not in
           the data region, so that clean_low_latency_buffer zeroes them and no other phase's
           bytes ever sit where a stamp is read).
@@ -23,13 +21,12 @@ data      per set, depends on (T, H, E): send = the zero-copy combine buffer [E_
           which also holds the put stages of dispatch (messages [T][msg] then lists [E][16 + 4T]);
           recv = dispatch messages [R][T][msg], or for combine: partials [R][T][H] f32 (received,
           by expert rank), partial_stage [R][T][H] f32 and record_stage [T][512 B] (sources of
-          puts), row_map
-          [R][E_l][T] i32 (packed row of (source, local expert, token), local). A set carries one
-          call at a time; the acks make sure its previous call was consumed before it is rewritten.
+          puts). A set carries one call at a time; the acks make sure its previous call was
+          consumed before it is rewritten.
 
 Only control and signals must start zeroed (the kernels count calls in them); data is always
-written before its tag (the row map before its flag). Changing T or E moves the signals, hence
-clean_low_latency_buffer; H only moves data.
+written before its tag. Changing T or E moves the signals, hence clean_low_latency_buffer; H
+only moves data.
 """
 from __future__ import annotations
 
@@ -119,7 +116,7 @@ class Layout:
 
     @property
     def _signal_set_bytes(self) -> int:
-        return (3 * self._tag_array_bytes + 2 * _align(8 * self.num_experts)
+        return (3 * self._tag_array_bytes + _align(8 * self.num_experts)
                 + _align(self.num_experts * list_bytes(self.num_max_tokens)) + self._records_bytes)
 
     @property
@@ -135,11 +132,8 @@ class Layout:
     def partial_tags(self, s: int) -> int:
         return self.record_tags(s) + self._tag_array_bytes
 
-    def map_flags(self, s: int) -> int:
-        return self.partial_tags(s) + self._tag_array_bytes
-
     def list_tags(self, s: int) -> int:
-        return self.map_flags(s) + _align(8 * self.num_experts)
+        return self.partial_tags(s) + self._tag_array_bytes
 
     def lists(self, s: int) -> int:
         return self.list_tags(s) + _align(8 * self.num_experts)
@@ -171,8 +165,7 @@ class Layout:
     @property
     def _recv_bytes(self) -> int:
         messages = _align(self.num_ranks * self.num_max_tokens * 2 * self.hidden)   # >= [R][T][msg]
-        combine = (2 * self._partials_bytes + _align(self.num_max_tokens * RECORD_BYTES)
-                   + _align(4 * self.num_experts * self.num_max_tokens))
+        combine = 2 * self._partials_bytes + _align(self.num_max_tokens * RECORD_BYTES)
         return max(messages, combine)
 
     @property
@@ -195,9 +188,6 @@ class Layout:
 
     def record_stage(self, s: int) -> int:
         return self.partial_stage(s) + self._partials_bytes
-
-    def row_map(self, s: int) -> int:
-        return self.record_stage(s) + _align(self.num_max_tokens * RECORD_BYTES)
 
     @property
     def total_bytes(self) -> int:
