@@ -190,8 +190,9 @@ def _run(ctx: BenchContext, setting: dict, largest: dict) -> List[Record]:
     sms = ctx.num_device_sms
     # Over NVLink (what the kernels move, not targets.md's logical count): dispatch one message per
     # (token, other rank); combine one fp32 partial sum per (token, other rank) plus the top-k
-    # records (K ids + K weights for each of the T token slots) to every other rank.
-    combine_nvlink = remote_tokens * 4 * H + (ctx.world_size - 1) * s.T * 8 * K
+    # records (per top-k slot of each of the T token slots, the expert id and the weight, each in a
+    # 64-bit stamped word: cuda_src/low_latency.cu) to every other rank.
+    combine_nvlink = remote_tokens * 4 * H + (ctx.world_size - 1) * s.T * 16 * K
     nbytes = {"dispatch": (low_latency_dispatch_bytes(messages, H), low_latency_dispatch_bytes(remote_tokens, H)),
               "combine": (low_latency_combine_bytes(messages, H), combine_nvlink)}
     calls = {"dispatch": lambda: s.dispatch(), "combine": lambda: s.combine(expert_x, handle)}
