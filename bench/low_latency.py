@@ -6,7 +6,8 @@ dequantised rows against sum_k w_k * x), then
     queued behind a long sleep on both ranks first, so the kernels run back to back and neither the
     host's issue time nor the other rank's host skew is counted as kernel time,
   * whole-call time of each op and of dispatch + combine back to back (CUDA events around the
-    Python calls, L2 flushed, ranks aligned),
+    Python calls, L2 flushed, ranks aligned), and the pair's GPU time alone (issued while the GPU
+    sleeps, so the host's issue time is not in it),
   * hook mode: send and receive kernel times separately (profiler kernel durations, a sleep between
     send and hook standing in for the expert GEMM, as DeepEP's test does; the CUDA-event figures
     around each launch, which include the launch itself, are kept in `extra`),
@@ -224,6 +225,12 @@ def _run(ctx: BenchContext, setting: dict, largest: dict) -> List[Record]:
            extra=timing.summary())
     if not ctx.is_gpu:   # kernel, hook and host-issue figures need a GPU
         return records
+    # The same two calls issued while the GPU sleeps (both ranks aligned first): CUDA events then
+    # time the GPU side of the pair alone (both kernels, the gap between them, the ranks' skew), not
+    # the host's issue time, which the figure above includes whenever the host is behind the GPU
+    # (no L2 flush here; the sleeps of the two GPUs end a few us apart, which it does include).
+    record("dispatch+combine", "back to back, issued while the GPU is busy",
+           _event_us(ctx, lambda _: round_trip()), with_bytes=False)
 
     # hook mode, profiler: send launch, ~50 us of sleep (the expert GEMM), receive launch, queued;
     # the kernels alternate send / receive. CUDA events (launch included) go to `extra`: the send
