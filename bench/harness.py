@@ -122,6 +122,33 @@ def time_stats(fn: Callable[[], object], warmup: int = 5, iters: int = 20, flush
     return Timing([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)])
 
 
+def pipelined_stats(fn: Callable[[], object], warmup: int = 5, iters: int = 20,
+                    sync: Optional[Callable[[], None]] = None,
+                    device: Optional[torch.device] = None) -> Timing:
+    """Time `fn` per call the way DeepEP's tests/utils.py `bench` does (the method behind the
+    targets.md low-latency anchors): one L2 flush and `sync` before the loop, then CUDA events
+    around each call with nothing between calls, the first call dropped. The host queues call i+1
+    while the GPU runs call i, so a call's figure is its GPU time whenever the host keeps ahead,
+    and the host's pace per call whenever it does not. On the CPU: time_stats without the flush."""
+    device = torch.device(device) if device is not None else _default_device()
+    if device.type != "cuda":
+        return time_stats(fn, warmup, iters, False, sync, device)
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    torch.cuda.synchronize(device)
+    _l2_flush_buffer(device).fill_(0)
+    if sync is not None:
+        sync()
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return Timing([s.elapsed_time(e) * 1e3 for s, e in zip(starts[1:], ends[1:])])
+
+
 def host_issue_times(fn: Callable[[], object], iters: int, busy_cycles: int) -> List[float]:
     """Host time (us) to issue `fn()` while the GPU is busy with a `torch.cuda._sleep` of
     `busy_cycles` (so no launch waits on the device), one call per sleep, synchronised after each."""
@@ -374,6 +401,10 @@ class BenchContext:
         return time_stats(fn, self.warmup if warmup is None else warmup,
                           self.iters if iters is None else iters, flush_l2,
                           self.align if align else None, self.device)
+
+    def pipelined_stats(self, fn: Callable[[], object]) -> Timing:
+        """pipelined_stats with this context's defaults, the ranks aligned once before the loop."""
+        return pipelined_stats(fn, self.warmup, self.iters, self.align, self.device)
 
     def time_us(self, fn: Callable[[], object], **kwargs) -> float:
         return self.time_stats(fn, **kwargs).mean_us

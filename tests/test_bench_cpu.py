@@ -35,3 +35,14 @@ def test_bench_cpu_round_trip(tmp_path):
         assert result["status"] == "ok", (name, result["status"])
         assert len(result["per_rank"]) == 2 and all(r["us"] > 0 for r in result["per_rank"]), result
         assert result["us"]["min"] <= result["us"]["avg"] <= result["us"]["max"]
+
+
+def test_pipelined_stats_counts_calls_on_cpu():
+    """The pipelined timing loop (the low-latency target's method) on the CPU falls back to the
+    host clock per call: the warm-up calls, then one time per timed call."""
+    from bench.harness import pipelined_stats
+    calls, syncs = [], []
+    timing = pipelined_stats(lambda: calls.append(1), warmup=3, iters=7,
+                             sync=lambda: syncs.append(1), device="cpu")
+    assert len(timing.times_us) == 7 and all(t >= 0 for t in timing.times_us)
+    assert len(calls) == 10 and len(syncs) == 7
