@@ -400,10 +400,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
 // Source side: every other live rank gets this rank's top-k record of every token slot t < T (slots
 // t >= N name no expert), so each expert rank knows exactly which partial sums to make, with the
 // combine-time weights, whatever the routing was (this rank's own items read topk_idx and
-// topk_weights directly). One token per warp and claim; each warp claims and loads its first one
-// before the release wait (load_record), so those loads overlap it. Direct ranks: the record as
-// stamped words (per slot: expert id, weight bits), no tag and no fence, so it is on its way as soon
-// as the release is seen; other ranks: a put with signal from the record stage.
+// topk_weights directly). One token per warp and claim; the claiming warps (combine_kernel) take
+// and load their first one before the release wait (load_record), so those loads overlap it.
+// Direct ranks: the record as stamped words (per slot: expert id, weight bits), no tag and no
+// fence, so it is on its way as soon as the release is seen; other ranks: a put with signal from
+// the record stage.
 template <int kTopK, int kExperts, class TopkT>
 __device__ __forceinline__ void load_record(const CombineParams &p, int t, int &e, float &w) {
     e = -1;
@@ -830,7 +831,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     if (p.phases & kSend) {
         const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
-        int t = warp_claim(p.tickets + kClaimRecords), e;   // the first record, loaded during the release wait
+        // The first record, claimed and loaded during the release wait, by as many warps per block
+        // as give every block's share of T one record each (one warp at T=128 on 132 SMs), not by
+        // all of them: 32 claims per block put ~4200 atomics on one counter right at the start,
+        // which the release wait then waits for. Fewer resident blocks still send every record:
+        // each claiming warp goes on claiming until the counter passes T.
+        const int claimers = min(kThreads / 32, static_cast<int>((kMaxTokens + gridDim.x - 1) / gridDim.x));
+        int t = warp_id() < claimers ? warp_claim(p.tickets + kClaimRecords) : kMaxTokens, e;
         float w;
         load_record<kTopK, kExperts, TopkT>(p, t, e, w);
         wait_released(s, ctx, p.acks, epoch, p.mask, p.enable_shrink != 0);
