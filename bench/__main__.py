@@ -19,14 +19,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALIASES = {"lowlat": "low_latency", "low-latency": "low_latency", "ll": "low_latency",
            "baseline": "baselines", "copies": "copy", "p2p": "copy", "inter": "internode"}
 CPU_WORLD_SIZE = 2
+# Measured in the parent before the ranks start: "copy" in a process of its own (no rank opens a
+# context on another GPU), "startup" in fresh processes (bench/startup.py).
+PARENT_PROBES = ("copy", "startup")
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer iterations and sweep points")
     p.add_argument("--only", default="", metavar="M1,M2",
-                   help="modules to run: copy, baselines, layout, intranode, low_latency, internode "
-                        "(default: all)")
+                   help="modules to run: copy, startup, baselines, layout, intranode, low_latency, "
+                        "internode (default: all)")
     p.add_argument("--out", default=None, metavar="PATH",
                    help="JSON path (default bench/results/<UTC date>_<machine>.json)")
     p.add_argument("--timeout", type=float, default=3600.0,
@@ -75,6 +78,14 @@ def _copy_probe(mp_ctx, quick: bool, timeout: float):
                         extra={"traceback": outcome}, module="copy")
         return report.merge([[failed]])
     return report.merge(outcome)
+
+
+def _startup_probe(quick: bool, num_gpus: int):
+    """Import and first-use JIT times, each from fresh processes (bench/startup.py): merged results."""
+    from bench import report
+    from bench.startup import startup_probe
+    print("bench: start-up costs (fresh processes, empty JIT cache)...", file=sys.stderr)
+    return report.merge([startup_probe(quick, num_gpus)])
 
 
 def _wait(procs, deadline: float) -> int:
@@ -131,11 +142,13 @@ def main(argv=None) -> int:
     deadline = time.monotonic() + args.timeout
     mp_ctx = mp.get_context("spawn")
     if mode == "gpu":
-        modules = _select(args.only, ("copy",) + GPU_MODULES)
+        modules = _select(args.only, PARENT_PROBES + GPU_MODULES)
         print(f"bench: {num_gpus} GPU(s); modules: "
               f"{', '.join(modules)}{' (quick)' if args.quick else ''}", file=sys.stderr)
         pre = _copy_probe(mp_ctx, args.quick, 600.0) if "copy" in modules else []
-        modules = [m for m in modules if m != "copy"]
+        if "startup" in modules:
+            pre += _startup_probe(args.quick, num_gpus)
+        modules = [m for m in modules if m not in PARENT_PROBES]
         world_size, reason = num_gpus, ""
     else:
         reason = "EPCOMM_BACKEND=cpu" if forced_cpu else "no GPU found"
@@ -143,7 +156,7 @@ def main(argv=None) -> int:
             print(f"bench: --only is ignored without GPUs ({reason})", file=sys.stderr)
         print(f"bench: {reason}: running the CPU reference backend on {CPU_WORLD_SIZE} gloo processes",
               file=sys.stderr)
-        modules, pre, world_size = list(CPU_MODULES), [], CPU_WORLD_SIZE
+        modules, pre, world_size = list(CPU_MODULES), _startup_probe(args.quick, 0), CPU_WORLD_SIZE
     opts = Options(mode=mode, modules=modules, quick=args.quick, out=args.out, started=started,
                    collective_timeout_s=min(600.0, args.timeout), root=ROOT, pre_results=pre,
                    cpu_reason=reason)

@@ -46,3 +46,52 @@ def test_pipelined_stats_counts_calls_on_cpu():
                              sync=lambda: syncs.append(1), device="cpu")
     assert len(timing.times_us) == 7 and all(t >= 0 for t in timing.times_us)
     assert len(calls) == 10 and len(syncs) == 7
+
+
+def test_startup_probe_measures_import_and_first_use_jit_in_fresh_processes():
+    """bench/startup.py on the CPU: import time, then the layout mode's first-use kernel compiled
+    into an empty cache (cold) and read back by another process that may not compile (warm: run
+    with EPCOMM_ASSERT_NO_COMPILE=1, so a miss would fail it), each a target record."""
+    from bench.startup import startup_probe
+    records = startup_probe(quick=True, num_gpus=0, modes=("layout",))
+    by_name = {r.name: r for r in records}
+    assert [r.status for r in records] == ["ok"] * 3, [(r.name, r.status, r.extra) for r in records]
+    cold = by_name["startup: layout first use, cold JIT (compile + link for sm_90, no GPU)"]
+    warm = by_name["startup: layout first use, warm cache (cache read, no GPU)"]
+    assert cold.extra["kernels"] == warm.extra["kernels"] == 1 and not cold.extra["loaded"]
+    assert cold.us > 0 and warm.us > 0
+    assert by_name["startup: import epcomm (fresh process)"].target == ("us", "<=", 0.5e6)
+
+
+def test_first_use_sources_name_every_mode():
+    from bench.startup import MODES, first_use_sources
+    import pytest
+    for mode in MODES:
+        sources = first_use_sources(mode, 2)
+        assert sources and all(s.kernels for s in sources), mode
+    with pytest.raises(ValueError, match="unknown mode"):
+        first_use_sources("nope", 2)
+
+
+def test_startup_jit_on_a_gpu_loads_every_cubin(monkeypatch, tmp_path):
+    """The GPU path of the first-use figure (--load) without a GPU: the device's arch decides the
+    build target, and every built cubin goes to cuModuleLoadData in the primary context."""
+    import contextlib
+    import types
+    from bench import startup
+    from epcomm.runtime import arch, launch, module
+    loaded = []
+
+    class Driver:
+        def cuModuleLoadData(self, handle, cubin):
+            loaded.append(bytes(cubin))
+            return 0
+    monkeypatch.setenv("EPCOMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(startup, "_cuda_context", lambda: None)
+    monkeypatch.setattr(arch, "device_arch", lambda index: types.SimpleNamespace(cc=90, feature=90))
+    monkeypatch.setattr(module, "primary_context", lambda index: 1234)
+    monkeypatch.setattr(launch, "pushed_context", lambda context: contextlib.nullcontext())
+    monkeypatch.setattr(launch, "driver", lambda: Driver())
+    result = startup._time_jit("layout", 2, load=True)
+    assert result["loaded"] and result["arch"] == "sm_90" and result["kernels"] == 1
+    assert len(loaded) == 1 and loaded[0]

@@ -59,16 +59,17 @@ def representative_sources() -> List[KernelSource]:
              plan.dispatch_kernel(2, 1, 7168 * 2, 0, "int", False),
              plan.dispatch_kernel(16, 8, 7168 * 2, 0, "long long", True),
              plan.combine_kernel(2, 1, 7168 * 2), plan.combine_kernel(16, 8, 7168 * 2)]
-    return [_source(name) for name in names]
+    return [kernel_source(name) for name in names]
 
 
-def _source(name: str) -> KernelSource:
+def kernel_source(name: str) -> KernelSource:
+    """The unit that builds one internode kernel (a name from internode_plan: notify_kernel, ...)."""
     return KernelSource("internode.cu", (name,), uses_nvshmem=True)
 
 
 def _kernel(gb, name: str):
     """The kernel for the Buffer's feature set (gb.arch: EPCOMM_ARCH as it was at construction)."""
-    return get_kernel(_source(name), 0, gb.device_index, gb.arch.feature)
+    return get_kernel(kernel_source(name), 0, gb.device_index, gb.arch.feature)
 
 
 # ---- checks ----------------------------------------------------------------------------------

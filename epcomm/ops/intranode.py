@@ -50,16 +50,17 @@ def representative_sources() -> List[KernelSource]:
              plan.dispatch_kernel(2, 7168 * 2, 0, "int", False),
              plan.dispatch_kernel(8, 7168 * 2, 0, "long long", True),
              plan.combine_kernel(2, 7168 * 2), plan.combine_kernel(8, 7168 * 2)]
-    return [_source(name) for name in names]
+    return [kernel_source(name) for name in names]
 
 
-def _source(name: str, trace: bool = False) -> KernelSource:
+def kernel_source(name: str, trace: bool = False) -> KernelSource:
+    """The unit that builds one intranode kernel (a name from intranode_plan: notify_kernel, ...)."""
     return KernelSource("intranode.cu", (name,), (("EPCOMM_INTRANODE_TRACE", 1),) if trace else ())
 
 
 def _kernel(gb, name: str, trace: bool):
     """The kernel for the Buffer's feature set (gb.arch: EPCOMM_ARCH as it was at construction)."""
-    return get_kernel(_source(name, trace), 0, gb.device_index, gb.arch.feature)
+    return get_kernel(kernel_source(name, trace), 0, gb.device_index, gb.arch.feature)
 
 
 # ---- profiling mode (EPCOMM_INTRANODE_TRACE=1) -----------------------------------------------
