@@ -95,3 +95,17 @@ def test_startup_jit_on_a_gpu_loads_every_cubin(monkeypatch, tmp_path):
     result = startup._time_jit("layout", 2, load=True)
     assert result["loaded"] and result["arch"] == "sm_90" and result["kernels"] == 1
     assert len(loaded) == 1 and loaded[0]
+
+
+def test_startup_probe_reports_a_failing_measurement_as_an_error_record(monkeypatch):
+    """A worker that fails (here: every one) becomes an error record per figure; the probe itself
+    returns, so the rest of the bench still runs."""
+    from bench import startup
+
+    def fail(args, cache_dir, timeout, warm=False):
+        raise RuntimeError(f"python -m bench.startup {' '.join(args)} failed:\nboom")
+    monkeypatch.setattr(startup, "_run_worker", fail)
+    records = startup.startup_probe(quick=True, num_gpus=0, modes=("layout",))
+    assert len(records) == 3
+    assert all(r.status.startswith("error: python -m bench.startup") for r in records), \
+        [r.status for r in records]
