@@ -1,6 +1,5 @@
 # epcomm: `make test` (CPU, CI) and `make bench` (GPU if present, else the CPU backend).
 PYTHON  ?= python3
-NGPUS   ?= $(shell $(PYTHON) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 # The GPU machines forbid NVLink multicast; keep it off wherever epcomm runs GPU work.
 GPU_ENV := NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$(CURDIR)
 # CPU CI installs: torch 2.13.0 (CPU wheel, served locally) and the CUDA 13 compile toolchain
@@ -22,11 +21,14 @@ test: deps
 precompile: deps
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m epcomm.jit --precompile --arch sm_80,sm_90
 
-# GPU tests: one process per local GPU; each test runs collectively on every rank.
+# GPU tests: each test runs collectively on every rank. RANKS_PER_GPU=N (default 1) runs N ranks on
+# every GPU under CUDA MPS (gloo bootstrap, SM partition per rank): 2, 4, 8 ranks and internode
+# topologies on one GPU, for correctness. GPU_TESTS narrows the selection (pytest paths / -k ...).
+RANKS_PER_GPU ?= 1
+GPU_TESTS     ?= tests
 test-gpu:
-	@if [ "$(NGPUS)" -lt 1 ]; then echo "make test-gpu: no CUDA GPU found"; exit 1; fi
-	$(GPU_ENV) $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$(NGPUS) --tee 3 \
-	  -m pytest -q -rs -m gpu -p no:cacheprovider tests
+	$(GPU_ENV) $(PYTHON) -m tests.gpu_session --ranks-per-gpu $(RANKS_PER_GPU) \
+	  -q -rs -m gpu -p no:cacheprovider $(GPU_TESTS)
 
 bench:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(MAKE) deps

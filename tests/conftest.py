@@ -102,29 +102,51 @@ def pytest_collection_modifyitems(config, items):
 
 
 class DistEnv:
+    """The collective test environment. With one rank per GPU (torchrun) the group is NCCL; with
+    several ranks per GPU (`python -m tests.gpu_session --ranks-per-gpu N`, CUDA MPS) it is gloo,
+    since NCCL refuses two ranks on one device, and rank r uses GPU r // N."""
+
     def __init__(self):
         import torch
         import torch.distributed as dist
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        torch.cuda.set_device(self.local_rank)
+        self.ranks_per_gpu = int(os.environ.get("EPCOMM_TEST_RANKS_PER_GPU", "1"))
+        self.device_index = self.local_rank // self.ranks_per_gpu
+        self.shared_gpu = self.ranks_per_gpu > 1
+        torch.cuda.set_device(self.device_index)
+        self.device = torch.device("cuda", self.device_index)
         if not dist.is_initialized():
-            dist.init_process_group("nccl", device_id=torch.device("cuda", self.local_rank))
+            if self.shared_gpu:
+                dist.init_process_group("gloo")
+            else:
+                dist.init_process_group("nccl", device_id=self.device)
         self.group = dist.group.WORLD
-        self.device = torch.device("cuda", self.local_rank)
+        # The SMs this rank may use: under an MPS partition the device reports only its share.
+        self.num_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
 
     def all_ok(self, ok: bool) -> bool:
         """True only if ok is true on every rank, so all ranks fail (or pass) a check together."""
         import torch
         import torch.distributed as dist
-        t = torch.tensor([0 if ok else 1], device=self.device)
+        t = torch.tensor([0 if ok else 1], device="cpu" if self.shared_gpu else self.device)
         dist.all_reduce(t)
         return int(t.item()) == 0
 
     def barrier(self):
         import torch.distributed as dist
-        dist.barrier(device_ids=[self.local_rank])
+        if self.shared_gpu:
+            dist.barrier()
+        else:
+            dist.barrier(device_ids=[self.device_index])
+
+    def require_sms(self, count: int, what: str) -> None:
+        """Skip (on every rank alike: the partition is the same everywhere) when this rank's SM
+        share cannot hold `count` SMs."""
+        if count > self.num_sms:
+            pytest.skip(f"{what} needs {count} SMs; this rank's device has {self.num_sms}"
+                        f"{' (MPS partition)' if self.shared_gpu else ''}")
 
 
 def on_all_ranks(dist_env, check):

@@ -746,7 +746,7 @@ def test_peer_timeout_names_the_peer(dist_env):
             if b is buf:
                 del _BUFFERS[key]
         torch.cuda.synchronize()
-        world = Nvshmem.init(dist_env.group, dist_env.local_rank)
+        world = Nvshmem.init(dist_env.group, dist_env.device_index)
         world.peer_failed = True     # this rank's Buffer may not have seen the failure itself
         buf.destroy()
         world.peer_failed = False

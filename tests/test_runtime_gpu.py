@@ -22,7 +22,7 @@ MiB, GiB = 1 << 20, 1 << 30
 @pytest.fixture(scope="module")
 def world(dist_env):
     from epcomm.runtime.nvshmem import Nvshmem
-    return Nvshmem.init(dist_env.group, dist_env.local_rank)
+    return Nvshmem.init(dist_env.group, dist_env.device_index)
 
 
 def _peers(dist_env):
@@ -42,9 +42,9 @@ def test_init_over_nccl_group(dist_env, world):
 def test_second_init_reuses_the_world_over_any_backend(dist_env, world):
     import torch.distributed as dist
     from epcomm.runtime.nvshmem import Nvshmem
-    assert Nvshmem.init(dist_env.group, dist_env.local_rank) is world
+    assert Nvshmem.init(dist_env.group, dist_env.device_index) is world
     gloo = dist.new_group(ranks=list(range(dist_env.world_size)), backend="gloo")
-    assert Nvshmem.init(gloo, dist_env.local_rank) is world
+    assert Nvshmem.init(gloo, dist_env.device_index) is world
 
 
 def test_reuse_with_a_mismatched_group_raises(dist_env, world):
@@ -55,7 +55,7 @@ def test_reuse_with_a_mismatched_group_raises(dist_env, world):
     # Every rank must create every subgroup, in the same order.
     singles = [dist.new_group(ranks=[r], backend="gloo") for r in range(dist_env.world_size)]
     with pytest.raises(NvshmemError, match="does not match the group"):
-        Nvshmem.init(singles[dist_env.rank], dist_env.local_rank)
+        Nvshmem.init(singles[dist_env.rank], dist_env.device_index)
 
 
 @pytest.mark.parametrize("nbytes", [128, 3 * MiB + 16, 2 * GiB])
@@ -113,7 +113,7 @@ def test_cupy_round_trip_is_zero_copy(dist_env, world):
     cupy = pytest.importorskip("cupy")
     from epcomm.runtime.dlpack import from_torch, to_torch
     from epcomm.runtime.symmetric import SymmetricBuffer
-    with cupy.cuda.Device(dist_env.local_rank):
+    with cupy.cuda.Device(dist_env.device_index):
         a = cupy.arange(1000, dtype=cupy.float32)
         t, fw = to_torch(a)
         back = from_torch(t, fw)

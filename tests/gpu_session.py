@@ -1,0 +1,311 @@
+"""Run the GPU test suite with one or several ranks per GPU: `python -m tests.gpu_session`.
+
+    python -m tests.gpu_session [--ranks-per-gpu N] [--gpus G] [--timeout S] [--log-dir DIR]
+                                [pytest arguments ...]
+
+With N = 1 this is torchrun with one rank per GPU over NCCL (what `make test-gpu` always ran). With
+N > 1 the G x N ranks share the G GPUs under CUDA MPS: the control daemon is started in a private
+pipe directory (and stopped however the run ends), every rank gets
+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 // N so all ranks' grids are resident together (a rank's
+device then reports only its share of the SMs), the ranks bootstrap over gloo (NCCL refuses two ranks
+on one GPU) and EPCOMM_BACKEND=gpu forces the GPU backend, which would otherwise pick the CPU backend
+for a gloo group. Timings under MPS are not performance figures: correctness only.
+
+Each rank's output goes to DIR/rank<r>.log (rank 0's also to the terminal); the end prints one line
+per rank and rank 0's skip reasons grouped. Exit status: 0 when every rank's pytest passed.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPS_CONTROL = "nvidia-cuda-mps-control"
+# Multicast can take the shared GPU machines down; kept off wherever the suite runs.
+SAFE_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "PYTHONUNBUFFERED": "1"}
+DEFAULT_PYTEST_ARGS = ["-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+
+
+class SessionError(RuntimeError):
+    """The session could not run (no GPU, no MPS, bad arguments): nothing was tested."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each rank runs: ranks r*N .. r*N+N-1 share GPU r (contiguous, so a host's ranks stay
+    contiguous in the group, as epcomm's NVLink / RDMA split requires)."""
+    gpus: int
+    ranks_per_gpu: int
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus * self.ranks_per_gpu
+
+    @property
+    def shared(self) -> bool:
+        return self.ranks_per_gpu > 1
+
+    @property
+    def thread_percentage(self) -> int:
+        return 100 // self.ranks_per_gpu
+
+    def gpu_of(self, rank: int) -> int:
+        return rank // self.ranks_per_gpu
+
+    def rank_env(self, rank: int, master_port: int) -> Dict[str, str]:
+        """Environment of one rank, on top of the caller's (torchrun's names, so conftest reads
+        them the same way in both modes)."""
+        env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(master_port), "EPCOMM_TEST_RANKS_PER_GPU": str(self.ranks_per_gpu),
+               "EPCOMM_BACKEND": "gpu"}
+        if self.shared:
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.thread_percentage)
+        return env
+
+
+def parse_args(argv: Sequence[str]):
+    parser = argparse.ArgumentParser(prog="python -m tests.gpu_session", description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks-per-gpu", type=int, default=int(os.environ.get("RANKS_PER_GPU", "1") or 1))
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
+    parser.add_argument("--timeout", type=float, default=float(os.environ.get("GPU_TEST_TIMEOUT", "3000")),
+                        help="seconds for the whole run; then every rank is killed")
+    parser.add_argument("--log-dir", default=None, help="per-rank logs (default: a temporary directory)")
+    args, pytest_args = parser.parse_known_args(argv)
+    if args.ranks_per_gpu < 1 or args.ranks_per_gpu > 100:
+        raise SessionError(f"--ranks-per-gpu must be between 1 and 100, got {args.ranks_per_gpu}")
+    if args.gpus is not None and args.gpus < 1:
+        raise SessionError(f"--gpus must be at least 1, got {args.gpus}")
+    if pytest_args and pytest_args[0] == "--":
+        pytest_args = pytest_args[1:]
+    return args, pytest_args or list(DEFAULT_PYTEST_ARGS)
+
+
+def visible_gpus() -> int:
+    try:
+        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                             capture_output=True, text=True, timeout=120)
+        return int(out.stdout.strip().splitlines()[-1])
+    except Exception:
+        return 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- MPS ----------------------------------------------------------------------------------------
+class MpsDaemon:
+    """The MPS control daemon in a private pipe / log directory; `stop()` is safe to call twice."""
+
+    def __init__(self, workdir: str):
+        self.pipe_dir = os.path.join(workdir, "mps-pipe")
+        self.log_dir = os.path.join(workdir, "mps-log")
+        self.running = False
+
+    @property
+    def env(self) -> Dict[str, str]:
+        return {"CUDA_MPS_PIPE_DIRECTORY": self.pipe_dir, "CUDA_MPS_LOG_DIRECTORY": self.log_dir}
+
+    def start(self) -> None:
+        if shutil.which(MPS_CONTROL) is None:
+            raise SessionError(f"CUDA MPS is not available: {MPS_CONTROL} is not on PATH (it ships with "
+                               f"the NVIDIA driver); several ranks per GPU need it")
+        os.makedirs(self.pipe_dir, exist_ok=True)
+        os.makedirs(self.log_dir, exist_ok=True)
+        env = dict(os.environ, **self.env)
+        run = subprocess.run([MPS_CONTROL, "-d"], env=env, capture_output=True, text=True, timeout=30)
+        if run.returncode != 0:
+            raise SessionError(f"CUDA MPS did not start ({MPS_CONTROL} -d exited {run.returncode}): "
+                               f"{(run.stderr or run.stdout).strip()} {self._log_tail()}")
+        self.running = True
+        # The control pipe appears once the daemon listens; clients started before it would run
+        # without MPS (time-sliced), so wait for it.
+        deadline = time.monotonic() + 10
+        while not os.path.exists(os.path.join(self.pipe_dir, "control")):
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SessionError(f"CUDA MPS started but its control pipe did not appear in "
+                                   f"{self.pipe_dir} within 10 s {self._log_tail()}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if not self.running:
+            return
+        self.running = False
+        env = dict(os.environ, **self.env)
+        try:
+            subprocess.run([MPS_CONTROL], input="quit\n", env=env, capture_output=True, text=True,
+                           timeout=30)
+        except subprocess.TimeoutExpired:
+            print("gpu_session: MPS control daemon did not quit within 30 s", file=sys.stderr)
+
+    def _log_tail(self) -> str:
+        path = os.path.join(self.log_dir, "control.log")
+        try:
+            with open(path) as f:
+                return "(control.log: " + " | ".join(f.read().strip().splitlines()[-3:]) + ")"
+        except OSError:
+            return ""
+
+
+# ---- the ranks ----------------------------------------------------------------------------------
+def launch(layout: Layout, pytest_args: List[str], log_dir: str, extra_env: Dict[str, str]):
+    port = free_port()
+    procs = []
+    for rank in range(layout.world_size):
+        env = dict(os.environ, **SAFE_ENV, **extra_env, **layout.rank_env(rank, port))
+        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else ROOT
+        log = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
+        cmd = [sys.executable, "-m", "pytest", *pytest_args]
+        # Rank 0 also writes to the terminal through tee-like forwarding in wait_all.
+        procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True), log))
+    return procs
+
+
+def kill_all(procs) -> None:
+    for proc, _ in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc, _ in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def wait_all(procs, log_dir: str, timeout: float) -> List[Optional[int]]:
+    """Wait for every rank, echoing rank 0's log; a rank that fails while others still run is given
+    a grace period (its peers' collective waits are bounded), then everything left is killed."""
+    deadline = time.monotonic() + timeout
+    echo = open(os.path.join(log_dir, "rank0.log"))
+    first_failure_at = None
+    try:
+        while True:
+            chunk = echo.read()
+            if chunk:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+            codes = [p.poll() for p, _ in procs]
+            if all(c is not None for c in codes):
+                break
+            if first_failure_at is None and any(c not in (None, 0) for c in codes):
+                first_failure_at = time.monotonic()
+            if time.monotonic() > deadline:
+                print(f"\ngpu_session: timed out after {timeout:.0f} s; killing every rank", flush=True)
+                break
+            if first_failure_at is not None and time.monotonic() - first_failure_at > 120:
+                print("\ngpu_session: a rank exited with failure 120 s ago and others still run; "
+                      "killing them", flush=True)
+                break
+            time.sleep(0.2)
+        sys.stdout.write(echo.read())
+    finally:
+        echo.close()
+        kill_all(procs)
+        for _, log in procs:
+            log.close()
+    return [p.returncode for p, _ in procs]
+
+
+_SUMMARY = re.compile(r"=+ (.*(?:passed|failed|skipped|error|deselected|no tests ran).*?) (?:in [0-9.]+s.*)?=+\s*$")
+_SKIP = re.compile(r"^SKIPPED \[(\d+)\] [^:]+(?::\d+)?: (.*)$")
+
+
+def summarise(log_text: str) -> str:
+    """The final pytest summary line of a log ('3 passed, 1 skipped'), or what ended it."""
+    lines = [l for l in log_text.splitlines() if l.strip()]
+    for line in reversed(lines):
+        m = _SUMMARY.search(line)
+        if m:
+            return m.group(1).strip()
+        if re.match(r"^\d+ (passed|failed|skipped)", line.strip()):
+            return line.strip()
+    return "no pytest summary (crashed or killed): " + (lines[-1][:200] if lines else "empty log")
+
+
+def skip_reasons(log_text: str) -> Dict[str, int]:
+    counts: Dict[str, int] = collections.Counter()
+    for line in log_text.splitlines():
+        m = _SKIP.match(line.strip())
+        if m:
+            counts[m.group(2).strip()] += int(m.group(1))
+    return dict(counts)
+
+
+def report(layout: Layout, codes: List[Optional[int]], log_dir: str) -> int:
+    print(f"\n===== gpu_session: {layout.world_size} ranks on {layout.gpus} GPU(s), "
+          f"{layout.ranks_per_gpu} per GPU{' under MPS' if layout.shared else ''}; logs in {log_dir}")
+    for rank, code in enumerate(codes):
+        with open(os.path.join(log_dir, f"rank{rank}.log"), errors="replace") as f:
+            print(f"rank {rank} (GPU {layout.gpu_of(rank)}): exit {code}: {summarise(f.read())}")
+    with open(os.path.join(log_dir, "rank0.log"), errors="replace") as f:
+        reasons = skip_reasons(f.read())
+    if reasons:
+        print("skips on rank 0, by reason:")
+        for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            print(f"  {n:4d}  {reason}")
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        args, pytest_args = parse_args(argv)
+        gpus = args.gpus if args.gpus is not None else visible_gpus()
+        if gpus < 1:
+            raise SessionError("no CUDA GPU found: the GPU suite needs one (CPU tests: make test)")
+        layout = Layout(gpus, args.ranks_per_gpu)
+    except SessionError as e:
+        print(f"gpu_session: {e}", file=sys.stderr)
+        return 2
+    workdir = tempfile.mkdtemp(prefix="epcomm-gpu-session-")
+    log_dir = args.log_dir or workdir
+    os.makedirs(log_dir, exist_ok=True)
+    mps = MpsDaemon(workdir)
+    procs = []
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        extra_env = {}
+        if layout.shared:
+            mps.start()
+            extra_env.update(mps.env)
+        procs = launch(layout, pytest_args, log_dir, extra_env)
+        codes = wait_all(procs, log_dir, args.timeout)
+        return report(layout, codes, log_dir)
+    except SessionError as e:
+        print(f"gpu_session: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"gpu_session: interrupted ({e}); stopping the ranks and MPS", file=sys.stderr)
+        return 130
+    finally:
+        kill_all(procs)
+        mps.stop()
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
