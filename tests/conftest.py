@@ -125,6 +125,13 @@ class DistEnv:
         self.group = dist.group.WORLD
         # The SMs this rank may use: under an MPS partition the device reports only its share.
         self.num_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
+        # The default Config (Buffer.num_sms SMs) must fit the share too, or every call that takes
+        # the default would (rightly) be refused before launch.
+        import epcomm
+        from tests.topology import fit_sms
+        default = fit_sms(epcomm.Buffer.num_sms, self.num_sms)
+        if default is not None and default < epcomm.Buffer.num_sms:
+            epcomm.Buffer.set_num_sms(default)
 
     def all_ok(self, ok: bool) -> bool:
         """True only if ok is true on every rank, so all ranks fail (or pass) a check together."""
@@ -140,6 +147,15 @@ class DistEnv:
             dist.barrier()
         else:
             dist.barrier(device_ids=[self.device_index])
+
+    def sms(self, wanted: int) -> int:
+        """A normal-mode test's SM count fitted to this rank's share of the device (every block of a
+        call must be resident at once); skips when not even 2 SMs fit."""
+        from tests.topology import fit_sms
+        fitted = fit_sms(wanted, self.num_sms)
+        if fitted is None:
+            pytest.skip(f"needs 2 SMs per rank; this rank's device has {self.num_sms}")
+        return fitted
 
     def require_sms(self, count: int, what: str) -> None:
         """Skip (on every rank alike: the partition is the same everywhere) when this rank's SM

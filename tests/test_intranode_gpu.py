@@ -19,9 +19,16 @@ import epcomm
 from epcomm.errors import BufferUnusable, PeerTimeout
 from epcomm.ops import intranode_plan as plan
 from epcomm.reference import oracle
+from tests import topology
 
 pytestmark = pytest.mark.gpu
 HIDDEN = 7168
+_R = topology.world_size()
+
+
+def _e(nominal: int) -> int:
+    """An expert count near `nominal` that the session's rank count divides."""
+    return topology.experts(nominal, _R)
 
 
 # ---- inputs -------------------------------------------------------------------------------------
@@ -183,13 +190,13 @@ def combine_inputs(inputs, rank_count, num_experts, data: Optional[List[Inputs]]
 
 # ---- dispatch -----------------------------------------------------------------------------------
 CASES = [  # seed, N by rank (times world size), H, K, E, fp8, index dtype, alignment, num_sms
-    (1, (1024,), HIDDEN, 8, 256, False, torch.int64, 1, 24),
-    (2, (1024,), HIDDEN, 8, 256, True, torch.int64, 1, 24),
-    (3, (777, 1500), HIDDEN, 8, 64, False, torch.int64, 128, 8),
-    (4, (333,), 2056, 1, 16, False, torch.int64, 1, 48),
-    (5, (512,), 4096, 32, 64, True, torch.int64, 4, 20),
-    (6, (4096,), HIDDEN, 8, 256, False, torch.int64, 1, 24),
-    (7, (300,), 1024, 8, 32, False, torch.int32, 1, 16),
+    (1, (1024,), HIDDEN, 8, _e(256), False, torch.int64, 1, 24),
+    (2, (1024,), HIDDEN, 8, _e(256), True, torch.int64, 1, 24),
+    (3, (777, 1500), HIDDEN, 8, _e(64), False, torch.int64, 128, 8),
+    (4, (333,), 2056, 1, _e(16), False, torch.int64, 1, 48),
+    (5, (512,), 4096, 32, _e(64), True, torch.int64, 4, 20),
+    (6, (4096,), HIDDEN, 8, _e(256), False, torch.int64, 1, 24),
+    (7, (300,), 1024, 8, _e(32), False, torch.int32, 1, 16),
 ]
 
 
@@ -201,6 +208,7 @@ def n_by_rank(pattern, world_size):
 def test_dispatch_and_combine_match_oracle(dist_env, buffer, seed, ns, hidden, topk, experts, fp8,
                                            index_dtype, alignment, sms):
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    sms = dist_env.sms(sms)
     inputs = all_inputs(dist_env, n_by_rank(ns, world), seed=seed, hidden=hidden, num_experts=experts,
                         num_topk=topk, fp8=fp8, index_dtype=index_dtype)
     got = run_dispatch(buffer, inputs[rank], device, fp8, config=epcomm.Config(sms),
@@ -255,7 +263,7 @@ def test_round_trip_with_gpu_layout(dist_env, buffer):
 def test_uneven_loads(dist_env, buffer, seed, route, ns):
     """Tokens going nowhere, ranks receiving nothing, N = 0 on some ranks, N differing by rank."""
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
-    inputs = all_inputs(dist_env, n_by_rank(ns, world), seed=seed, hidden=HIDDEN, num_experts=64,
+    inputs = all_inputs(dist_env, n_by_rank(ns, world), seed=seed, hidden=HIDDEN, num_experts=_e(64),
                         num_topk=6, route=route)
     got = run_dispatch(buffer, inputs[rank], device, False)
     check(dist_env, dispatch_errors(got, expected_dispatch(inputs, rank, 64, False), False), "dispatch")
@@ -270,7 +278,7 @@ def test_uneven_loads(dist_env, buffer, seed, route, ns):
 
 def test_without_topk(dist_env, buffer):
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
-    inputs = all_inputs(dist_env, n_by_rank((700, 50), world), seed=31, hidden=HIDDEN, num_experts=128,
+    inputs = all_inputs(dist_env, n_by_rank((700, 50), world), seed=31, hidden=HIDDEN, num_experts=_e(128),
                         num_topk=4, fp8=True)
     got = run_dispatch(buffer, inputs[rank], device, True, use_topk=False)
     want = expected_dispatch(inputs, rank, 128, True, use_topk=False)
@@ -289,7 +297,7 @@ def test_without_topk(dist_env, buffer):
 def test_num_worst_tokens(dist_env, buffer, fp8):
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
     ns = n_by_rank((900, 400), world)
-    inputs = all_inputs(dist_env, ns, seed=41, hidden=HIDDEN, num_experts=64, num_topk=8, fp8=fp8)
+    inputs = all_inputs(dist_env, ns, seed=41, hidden=HIDDEN, num_experts=_e(64), num_topk=8, fp8=fp8)
     num_worst = sum(ns)
     got = run_dispatch(buffer, inputs[rank], device, fp8, num_worst_tokens=num_worst)
     # The oracle pads to num_worst_tokens: zero rows and scales, top-k -1 / 0, recv_src_idx -1, no
@@ -308,7 +316,7 @@ def test_cuda_graph_replay(dist_env, buffer):
     """Worst-size dispatch + combine captured once, replayed with new data and new routing."""
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
     ns = n_by_rank((640,), world)
-    num_worst, experts = sum(ns), 64
+    num_worst, experts = sum(ns), _e(64)
 
     def fill(seed):
         inputs = all_inputs(dist_env, ns, seed=seed, hidden=HIDDEN, num_experts=experts, num_topk=8)
@@ -355,7 +363,7 @@ def test_cuda_graph_replay(dist_env, buffer):
 @pytest.mark.parametrize("mode", ["async", "previous_event", "allocate_on_comm_stream"])
 def test_stream_options(dist_env, buffer, mode):
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
-    inputs = all_inputs(dist_env, n_by_rank((800,), world), seed=61, hidden=HIDDEN, num_experts=64, num_topk=8)
+    inputs = all_inputs(dist_env, n_by_rank((800,), world), seed=61, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
     kw = dict(async_finish=True)
     if mode != "async":
         kw["previous_event"] = epcomm.Buffer.capture()
@@ -383,7 +391,7 @@ def test_sm80_feature_set(dist_env):
         buffer = epcomm.Buffer(dist_env.group, num_nvl_bytes=hint_bytes(world), explicitly_destroy=True)
     try:
         for fp8 in (False, True):
-            inputs = all_inputs(dist_env, n_by_rank((1000, 300), world), seed=71, hidden=HIDDEN, num_experts=64,
+            inputs = all_inputs(dist_env, n_by_rank((1000, 300), world), seed=71, hidden=HIDDEN, num_experts=_e(64),
                                 num_topk=8, fp8=fp8)
             got = run_dispatch(buffer, inputs[rank], device, fp8)
             errors = dispatch_errors(got, expected_dispatch(inputs, rank, 64, fp8), fp8)
@@ -414,7 +422,7 @@ def test_ring_reuse_with_a_small_buffer(dist_env):
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
     if world == 1:
         pytest.skip("needs 2 or more ranks")
-    sms, experts = 24, 64
+    sms, experts = dist_env.sms(24), _e(64)
     buf = epcomm.Buffer(dist_env.group, num_nvl_bytes=small_buffer_bytes(world, 40, 8, experts, sms),
                         explicitly_destroy=True)
     try:
@@ -448,9 +456,10 @@ def test_dynamic_chunk_claims(dist_env, buffer, sms, ns, route, ring_rows, combi
     between them), with different grids for dispatch and combine; a traced call then counts the
     chunks the sending blocks took."""
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
+    sms, combine_sms = dist_env.sms(sms), dist_env.sms(combine_sms)
     if world == 1:
         pytest.skip("needs 2 or more ranks")
-    experts = 64
+    experts = _e(64)
     buf = buffer if ring_rows is None else epcomm.Buffer(
         dist_env.group, num_nvl_bytes=small_buffer_bytes(world, ring_rows, 8, experts, sms), explicitly_destroy=True)
     try:
@@ -504,15 +513,15 @@ def test_chunk_larger_than_ring_raises_before_launch(dist_env):
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
     if world == 1:
         pytest.skip("needs 2 or more ranks")
-    sms = 8
-    buf = epcomm.Buffer(dist_env.group, num_nvl_bytes=small_buffer_bytes(world, 4, 8, 64, sms),
+    sms = dist_env.sms(8)
+    buf = epcomm.Buffer(dist_env.group, num_nvl_bytes=small_buffer_bytes(world, 4, 8, _e(64), sms),
                         explicitly_destroy=True)
     try:
-        inputs = all_inputs(dist_env, n_by_rank((4096,), world), seed=91, hidden=HIDDEN, num_experts=64, num_topk=8)
+        inputs = all_inputs(dist_env, n_by_rank((4096,), world), seed=91, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
         with pytest.raises(ValueError, match="does not fit"):
             run_dispatch(buf, inputs[rank], device, False, config=epcomm.Config(sms))
         # Nothing half-done: the Buffer still works for a call that fits.
-        small = all_inputs(dist_env, n_by_rank((16,), world), seed=92, hidden=HIDDEN, num_experts=64, num_topk=8)
+        small = all_inputs(dist_env, n_by_rank((16,), world), seed=92, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
         got = run_dispatch(buf, small[rank], device, False, config=epcomm.Config(sms))
         check(dist_env, dispatch_errors(got, expected_dispatch(small, rank, 64, False), False), "after the error")
     finally:
@@ -531,7 +540,7 @@ def test_peer_timeout_names_the_peer(dist_env, monkeypatch):
         env.setenv("EPCOMM_TIMEOUT_S", "3")
         buf = epcomm.Buffer(dist_env.group, num_nvl_bytes=hint_bytes(world), explicitly_destroy=True)
     skipper = world - 1
-    inputs = all_inputs(dist_env, n_by_rank((256,), world), seed=101, hidden=HIDDEN, num_experts=64, num_topk=8)
+    inputs = all_inputs(dist_env, n_by_rank((256,), world), seed=101, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
     # A correct call on every rank first, so the timeout below is the only thing that differs.
     got = run_dispatch(buf, inputs[rank], device, False)
     errors = dispatch_errors(got, expected_dispatch(inputs, rank, 64, False), False)

@@ -22,11 +22,19 @@ import pytest
 import torch
 
 from epcomm.ops.low_latency_layout import RECORD_BYTES
+from tests import topology
 from tests.test_intranode_gpu import calc_diff
 
 pytestmark = pytest.mark.gpu
+# Expert counts near the nominal ones that the session's rank count divides.
+_R = topology.world_size()
 
-TARGET = dict(T=128, H=7168, E=288, K=8)
+
+def _e(nominal: int) -> int:
+    return topology.experts(nominal, _R)
+
+
+TARGET = dict(T=128, H=7168, E=_e(288), K=8)
 
 
 @dataclass(frozen=True)
@@ -49,19 +57,19 @@ class Case:
         return f"{kind}-T{self.T}-H{self.H}-E{self.E}-K{self.K}-N{'/'.join(map(str, self.N))}"
 
 
-FP8_TARGET = Case(128, 7168, 288, 8, (128, 97))
+FP8_TARGET = Case(128, 7168, _e(288), 8, (128, 97))
 CASES = [
     FP8_TARGET,
     replace(FP8_TARGET, round_scale=True),
     replace(FP8_TARGET, round_scale=True, ue8m0=True),
     replace(FP8_TARGET, fp8=False),
-    Case(64, 2176, 64, 16, (64, 0)),                 # H in no whitelist, K=16, one rank sends nothing
-    Case(64, 1032, 64, 16, (50, 64), fp8=False),     # BF16 H % 128 != 0
-    Case(512, 2048, 64, 8, (512, 301)),              # several tokens per block
-    Case(32, 256, 2, 1, (32, 17), masked=0.0),       # one expert per rank, top-1
-    Case(64, 1024, 64, 32, (64, 40)),                # K = MAX_TOPK: a full combine record
+    Case(64, 2176, _e(64), 16, (64, 0)),             # H in no whitelist, K=16, one rank sends nothing
+    Case(64, 1032, _e(64), 16, (50, 64), fp8=False), # BF16 H % 128 != 0
+    Case(512, 2048, _e(64), 8, (512, 301)),          # several tokens per block
+    Case(32, 256, _R, 1, (32, 17), masked=0.0),      # one expert per rank, top-1
+    Case(64, 1024, _e(64), 32, (64, 40)),            # K = MAX_TOPK: a full combine record
 ]
-SMALL = Case(64, 1024, 16, 4, (64, 40))
+SMALL = Case(64, 1024, _e(16), 4, (64, 40))
 ALL_SHAPES = [TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES]
 
 
@@ -421,7 +429,7 @@ def test_put_path(dist_env, case):
     """allow_nvlink_for_low_latency_mode=False: NVSHMEM puts + signals even to NVLink peers."""
     if dist_env.world_size < 2:
         pytest.skip("needs 2 ranks")
-    buf = _buffer(dist_env, shapes=[TARGET, dict(T=64, H=1032, E=64)], allow_nvlink_for_low_latency_mode=False)
+    buf = _buffer(dist_env, shapes=[TARGET, dict(T=64, H=1032, E=CASES[5].E)], allow_nvlink_for_low_latency_mode=False)
     problems = _run(dist_env, buf, case, seed=5)
     problems += _run(dist_env, buf, case, seed=6, mode="hook", zero_copy=True, clean=False)
     problems += _run(dist_env, buf, case, seed=7, clean=False)   # puts staged from a non-zero-copy x
@@ -437,53 +445,72 @@ def test_sm80_feature_set(dist_env):
     _verdict(dist_env, problems, "sm80 feature set")
 
 
-SHRINK_CASE = Case(64, 2048, 16, 4, (64, 33))
+SHRINK_CASE = Case(64, 2048, _e(16), 4, (64, 33))
+
+
+def _masking(num_ranks: int, masked_by: dict) -> list:
+    """Per rank, its rank mask as the oracle takes it: masked_by[r] = the ranks r masks."""
+    masks = [torch.zeros(num_ranks, dtype=torch.int32) for _ in range(num_ranks)]
+    for r, peers in masked_by.items():
+        for peer in peers:
+            masks[r][peer] = 1
+    return masks
 
 
 def test_shrink_masks_a_silent_peer(dist_env):
-    """enable_shrink: rank 1 skips a call; rank 0 masks it after the timeout and completes without
-    its experts; the mask shows it; after clean both work again. Explicit masks need no timeout."""
-    if dist_env.world_size != 2:
-        pytest.skip("written for 2 ranks")
-    case, rank, dev = SHRINK_CASE, dist_env.rank, dist_env.device
+    """enable_shrink: the last rank skips a call; every other rank masks it after the timeout and
+    completes without its experts; the mask shows it; after clean all work again. Explicit masks
+    (every rank masks every other) need no timeout."""
+    if dist_env.world_size < 2:
+        pytest.skip("needs 2 or more ranks (one of them silent)")
+    case, rank, num_ranks, dev = SHRINK_CASE, dist_env.rank, dist_env.world_size, dist_env.device
+    silent = num_ranks - 1
     buf = _buffer(dist_env, shapes=[dict(T=case.T, H=case.H, E=case.E)], env={"EPCOMM_TIMEOUT_S": 2},
                   enable_shrink=True)
     buf.clean_low_latency_buffer(case.T, case.H, case.E)
     buf.low_latency_clean_mask_buffer()
+    dist_env.barrier()
     problems = []
-    mask = torch.zeros(2, dtype=torch.int32, device=dev)
-    x, topk_idx, weights = (t.to(dev) for t in _inputs(case, rank, 31))
-    if rank == 0:
+    mask = torch.zeros(num_ranks, dtype=torch.int32, device=dev)
+    inputs = [_inputs(case, r, 31) for r in range(num_ranks)]
+    x, topk_idx, weights = (t.to(dev) for t in inputs[rank])
+    masks = _masking(num_ranks, {r: [silent] for r in range(num_ranks) if r != silent})
+    rows = None
+    if rank != silent:
         start = time.monotonic()
         (recv_x, scales), count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, case.T, case.E)
         torch.cuda.synchronize()
         elapsed = time.monotonic() - start
         buf.low_latency_query_mask_buffer(mask)
-        if mask.tolist() != [0, 1]:
-            problems.append(f"mask after the silent peer: {mask.tolist()}, want [0, 1]")
-        masks = [mask.cpu(), torch.zeros(2, dtype=torch.int32)]
-        inputs = [(x.cpu(), topk_idx.cpu(), weights.cpu()), _inputs(case, 1, 31)]
-        p, _ = _check_dispatch(case, 0, 2, inputs, (recv_x, scales, count, handle, None), masks)
+        if mask.tolist() != masks[rank].tolist():
+            problems.append(f"mask after the silent peer: {mask.tolist()}, want {masks[rank].tolist()}")
+        p, _ = _check_dispatch(case, rank, num_ranks, inputs, (recv_x, scales, count, handle, None), masks)
         problems += [f"masked dispatch: {m}" for m in p]
-        x_c = _combine_input(case, 0, 2, recv_x, scales, count)
+        x_c = _combine_input(case, rank, num_ranks, recv_x, scales, count)
         combined, _, _ = buf.low_latency_combine(x_c, topk_idx, weights, handle)
         torch.cuda.synchronize()
-        from epcomm.reference.oracle import ll_combine_rows, ll_valid_rows
-        rows = [ll_valid_rows(x_c.cpu(), handle[0].cpu(), handle[1].cpu()),
-                (torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0, case.H, dtype=torch.bfloat16))]
-        want = ll_combine_rows(rows, topk_idx.cpu(), weights.cpu(), 0, case.E, masks)
+        from epcomm.reference.oracle import ll_valid_rows
+        rows = ll_valid_rows(x_c.cpu(), handle[0].cpu(), handle[1].cpu())
+        _say(f"shrink: dispatch with a silent peer finished after {elapsed:.1f} s (timeout 2 s)")
+    every_rows = _gather(rows)   # the silent rank joins here: it holds no rows
+    if rank != silent:
+        from epcomm.reference.oracle import ll_combine_rows
+        empty = (torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0, case.H, dtype=torch.bfloat16))
+        every_rows = [empty if r is None else r for r in every_rows]
+        want = ll_combine_rows(every_rows, topk_idx.cpu(), weights.cpu(), rank, case.E, masks)
         if not torch.equal(_bits(combined.cpu()), _bits(want)):
             problems.append(f"masked combine: {_first_mismatch(combined.cpu().float(), want.float())}")
-        _say(f"shrink: dispatch with a silent peer finished after {elapsed:.1f} s (timeout 2 s)")
         buf.low_latency_clean_mask_buffer()
         buf.low_latency_query_mask_buffer(mask)
-        if mask.tolist() != [0, 0]:
+        if mask.tolist() != [0] * num_ranks:
             problems.append(f"mask after clean: {mask.tolist()}")
     dist_env.barrier()
-    # Both ranks mask each other explicitly: nobody waits, each keeps its own tokens only.
+    # Every rank masks every other explicitly: nobody waits, each keeps its own tokens only.
     buf.clean_low_latency_buffer(case.T, case.H, case.E)
-    buf.low_latency_update_mask_buffer(1 - rank, True)
-    masks = [torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32)]
+    for peer in range(num_ranks):
+        if peer != rank:
+            buf.low_latency_update_mask_buffer(peer, True)
+    masks = _masking(num_ranks, {r: [p for p in range(num_ranks) if p != r] for r in range(num_ranks)})
     problems += [f"explicit masks: {m}" for m in _run(dist_env, buf, case, seed=32, rank_masks=masks, clean=False)]
     buf.low_latency_query_mask_buffer(mask)
     if mask.tolist() != masks[rank].tolist():
@@ -494,10 +521,11 @@ def test_shrink_masks_a_silent_peer(dist_env):
 
 
 def test_shrink_mask_between_dispatch_and_combine(dist_env):
-    """Masks set after a dispatch (each rank masks the other): the combine adds no partial sum of
-    the masked rank and nobody waits for one (well under the 2 s timeout), bit for bit."""
-    if dist_env.world_size != 2:
-        pytest.skip("written for 2 ranks")
+    """Masks set after a dispatch (pairs of ranks 2i, 2i+1 mask each other; an odd last rank masks
+    nobody): the combine adds no partial sum of a masked rank and nobody waits for one (well under
+    the 2 s timeout), bit for bit."""
+    if dist_env.world_size < 2:
+        pytest.skip("needs 2 or more ranks")
     case, rank, num_ranks, dev = SHRINK_CASE, dist_env.rank, dist_env.world_size, dist_env.device
     buf = _buffer(dist_env, shapes=[dict(T=case.T, H=case.H, E=case.E)], env={"EPCOMM_TIMEOUT_S": 2},
                   enable_shrink=True)
@@ -510,15 +538,17 @@ def test_shrink_mask_between_dispatch_and_combine(dist_env):
     p, _ = _check_dispatch(case, rank, num_ranks, inputs, (recv_x, scales, count, handle, None))
     problems += [f"dispatch: {m}" for m in p]
     x_c = _combine_input(case, rank, num_ranks, recv_x, scales, count)
-    dist_env.barrier()   # both dispatches are complete before either mask is set
-    buf.low_latency_update_mask_buffer(1 - rank, True)
+    dist_env.barrier()   # every dispatch is complete before any mask is set
+    partners = {r: [r ^ 1] if (r ^ 1) < num_ranks else [] for r in range(num_ranks)}
+    for peer in partners[rank]:
+        buf.low_latency_update_mask_buffer(peer, True)
     start = time.monotonic()
     combined, _, _ = buf.low_latency_combine(x_c, topk_idx, weights, handle)
     torch.cuda.synchronize()
     elapsed = time.monotonic() - start
     if elapsed > 1.0:
         problems.append(f"the masked combine took {elapsed:.2f} s: something waited for the masked rank")
-    masks = [torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32)]
+    masks = _masking(num_ranks, partners)
     problems += [f"masked combine: {m}" for m in _check_combine(case, rank, inputs, x_c, handle, combined, masks)]
     buf.low_latency_clean_mask_buffer()
     _verdict(dist_env, problems, "mask between dispatch and combine")
@@ -700,8 +730,8 @@ def test_sends_with_most_sms_held(dist_env, sm_holder, free_sms):
 def test_peer_timeout_names_the_peer(dist_env):
     """Without shrink a silent peer is a PeerTimeout naming it, on each rank in turn; the Buffer is
     unusable afterwards. Runs last: it leaves that Buffer failed."""
-    if dist_env.world_size != 2:
-        pytest.skip("written for 2 ranks")
+    if dist_env.world_size < 2:
+        pytest.skip("needs 2 or more ranks (one of them silent)")
     from epcomm.errors import BufferUnusable, PeerTimeout
     from epcomm.runtime.nvshmem import Nvshmem
     case, rank, dev = SHRINK_CASE, dist_env.rank, dist_env.device
@@ -723,15 +753,17 @@ def test_peer_timeout_names_the_peer(dist_env):
 
     problems = []
     try:
-        if rank == 0:        # rank 1 is silent: rank 0's first call times out waiting for it
+        silent = dist_env.world_size - 1
+        if rank != silent:   # the last rank is silent: the others' first call times out waiting for it
             call_until_it_raises()
         dist_env.barrier()
-        if rank == 1:        # rank 1's first call completes on rank 0's data; its second waits in vain
+        if rank == silent:   # its first call completes on the others' data; its second waits in vain
             call_until_it_raises()
         dist_env.barrier()
         first = errors[0] if errors else None
-        if not isinstance(first, PeerTimeout) or first.peer != 1 - rank or first.op != "low_latency_dispatch":
-            problems.append(f"want PeerTimeout(op=low_latency_dispatch, peer={1 - rank}), got {first!r}")
+        waited_for = {silent} if rank != silent else set(range(silent))
+        if not isinstance(first, PeerTimeout) or first.peer not in waited_for or first.op != "low_latency_dispatch":
+            problems.append(f"want PeerTimeout(op=low_latency_dispatch, peer in {sorted(waited_for)}), got {first!r}")
         else:
             _say(f"timeout reported as: {first}")
         try:
