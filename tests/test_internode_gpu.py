@@ -24,12 +24,20 @@ from epcomm.errors import BufferUnusable, DeviceCheckFailed, PeerTimeout
 from epcomm.ops import internode
 from epcomm.ops import internode_plan as plan
 from epcomm.reference import oracle
+from tests import topology
 from tests.conftest import on_all_ranks
 from tests.test_intranode_gpu import calc_diff, check, combine_inputs, dev, make_inputs, row_diff, run_dispatch
 from tests.test_intranode_gpu import expected_dispatch as expected
 
 pytestmark = pytest.mark.gpu
 HIDDEN = 7168
+_R = topology.world_size()
+ROUND_TRIP_TOKENS = 4096
+
+
+def _e(nominal: int) -> int:
+    """An expert count near `nominal` that the session's rank count divides."""
+    return topology.experts(nominal, _R)
 
 
 def make_buffer(dist_env, local: int, rdma_bytes: int = 256 << 20, timeout_s: str = "", arch: str = "",
@@ -66,16 +74,17 @@ def warm_kernels(dist_env, buf, hidden: int = HIDDEN, index_type: str = "long lo
     dist_env.barrier()
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["L1", "L2"])
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=["L1", "L2", "L4"])
 def setup(dist_env, request):
-    """(Buffer, L): nodes of L ranks; L = 2 needs 2 nodes of 2 GPUs."""
+    """(Buffer, L): M = R / L nodes of L ranks, M >= 2 (at R = 8: 8 x 1, 4 x 2, 2 x 4)."""
     local, world = request.param, dist_env.world_size
     if world % local or world // local < 2:
-        pytest.skip(f"needs at least 2 nodes of {local} ranks ({2 * local}+ GPUs, a multiple of {local}); "
+        pytest.skip(f"needs at least 2 nodes of {local} ranks ({2 * local}+ ranks, a multiple of {local}); "
                     f"this run has {world}")
-    # 1 GiB: the round trip's 4096 tokens per rank fit combine's capacity (fp32 partials, L pushed
-    # rows per token and node: ~143 KB per token at H = 7168, L = 1, M = 2).
-    buf = make_buffer(dist_env, local, rdma_bytes=1 << 30)
+    # Calls are one-shot today: the buffer must hold the round trip's tokens from every node (FP8
+    # scales, K = 32 cover every case of this module).
+    need = plan.rdma_bytes_needed(ROUND_TRIP_TOKENS, HIDDEN * 2, HIDDEN // 128, 32, world, local)
+    buf = make_buffer(dist_env, local, rdma_bytes=max(need, 1 << 30))
     assert buf.runtime.get_num_rdma_ranks() == world // local
     yield buf, local
     release(dist_env, buf)
@@ -147,11 +156,11 @@ def round_trip_errors(combined, weights, mine) -> List[str]:
 
 # ---- dispatch + cached dispatch + combine ----------------------------------------------------------
 CASES = [  # seed, N by rank, H, K, E, fp8, index dtype, alignment, num_sms
-    (1, (1024,), HIDDEN, 8, 256, False, torch.int64, 1, 24),
-    (2, (1024,), HIDDEN, 8, 256, True, torch.int64, 1, 24),
-    (3, (777, 1500), HIDDEN, 8, 64, False, torch.int32, 128, 8),
-    (4, (333,), 2056, 1, 16, False, torch.int64, 1, 48),
-    (5, (512,), 4096, 32, 64, True, torch.int32, 4, 20),
+    (1, (1024,), HIDDEN, 8, _e(256), False, torch.int64, 1, 24),
+    (2, (1024,), HIDDEN, 8, _e(256), True, torch.int64, 1, 24),
+    (3, (777, 1500), HIDDEN, 8, _e(64), False, torch.int32, 128, 8),
+    (4, (333,), 2056, 1, _e(16), False, torch.int64, 1, 48),
+    (5, (512,), 4096, 32, _e(64), True, torch.int32, 4, 20),
 ]
 
 
@@ -159,6 +168,7 @@ CASES = [  # seed, N by rank, H, K, E, fp8, index dtype, alignment, num_sms
 def test_dispatch_and_combine_match_oracle(dist_env, setup, seed, ns, hidden, topk, experts, fp8,
                                            index_dtype, alignment, sms):
     buf, local = setup
+    sms = dist_env.sms(sms)
     rank, device = dist_env.rank, dist_env.device
     kw = dict(hidden=hidden, num_experts=experts, num_topk=topk, fp8=fp8, index_dtype=index_dtype)
     inputs = inputs_for(dist_env, local, ns, seed=seed, **kw)
@@ -185,9 +195,9 @@ def test_round_trip_with_gpu_layout(dist_env, setup):
     """Layout on the GPU, default configs: combine(dispatch(x)) == x * (ranks reached), weights back."""
     buf, local = setup
     rank, device = dist_env.rank, dist_env.device
-    mine = inputs_for(dist_env, local, (4096,), seed=11, hidden=HIDDEN, num_experts=256, num_topk=8)[rank]
+    mine = inputs_for(dist_env, local, (ROUND_TRIP_TOKENS,), seed=11, hidden=HIDDEN, num_experts=_e(256), num_topk=8)[rank]
     topk_idx, topk_weights = dev(mine.topk_idx, device), dev(mine.topk_weights, device)
-    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, 256)
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, _e(256))
     recv_x, _, recv_w, _, handle, _ = buf.dispatch(
         dev(mine.x, device), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
@@ -202,11 +212,11 @@ def test_uneven_loads(dist_env, setup, seed, route, ns):
     """Tokens routed nowhere, ranks receiving nothing, N = 0 on some ranks."""
     buf, local = setup
     rank, device = dist_env.rank, dist_env.device
-    inputs = inputs_for(dist_env, local, ns, seed=seed, hidden=HIDDEN, num_experts=64, num_topk=6, route=route)
+    inputs = inputs_for(dist_env, local, ns, seed=seed, hidden=HIDDEN, num_experts=_e(64), num_topk=6, route=route)
     got = run_dispatch(buf, inputs[rank], device, False)
-    check(dist_env, dispatch_errors(got, expected(inputs, rank, 64, False), False, rank, inputs), "dispatch")
+    check(dist_env, dispatch_errors(got, expected(inputs, rank, _e(64), False), False, rank, inputs), "dispatch")
     ones = torch.ones(len(inputs[rank].x), HIDDEN, dtype=torch.bfloat16)
-    check(dist_env, combine_errors(dist_env, buf, got, inputs, local, 64, (ones, None)), "combine")
+    check(dist_env, combine_errors(dist_env, buf, got, inputs, local, _e(64), (ones, None)), "combine")
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -214,10 +224,10 @@ def test_num_worst_tokens(dist_env, setup, fp8):
     buf, local = setup
     rank, device = dist_env.rank, dist_env.device
     ns = (900, 400)
-    inputs = inputs_for(dist_env, local, ns, seed=41, hidden=HIDDEN, num_experts=64, num_topk=8, fp8=fp8)
+    inputs = inputs_for(dist_env, local, ns, seed=41, hidden=HIDDEN, num_experts=_e(64), num_topk=8, fp8=fp8)
     num_worst = sum(len(i.x) for i in inputs)
     got = run_dispatch(buf, inputs[rank], device, fp8, num_worst_tokens=num_worst)
-    want = expected(inputs, rank, 64, fp8, num_worst_tokens=num_worst)
+    want = expected(inputs, rank, _e(64), fp8, num_worst_tokens=num_worst)
     errors = dispatch_errors(got, want, fp8, rank, inputs)
     meta = got[4][7].cpu()
     num_recv = int(want["recv_src_idx"].ge(0).sum())
@@ -235,7 +245,7 @@ def test_back_to_back_reuse_with_a_late_rank(dist_env, setup):
     that overwrote records a late rank was still reading, or took a stale signal, gives wrong rows)."""
     buf, local = setup
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
-    experts, ns, rounds = 64, (300, 170), 20
+    experts, ns, rounds = _e(64), (300, 170), 20
     rounds_inputs = [inputs_for(dist_env, local, ns, seed=200 + i, hidden=HIDDEN, num_experts=experts, num_topk=8)
                      for i in range(rounds)]
     num_worst = sum(len(i.x) for i in rounds_inputs[0])
@@ -271,7 +281,7 @@ def test_cuda_graph_replay(dist_env, setup):
     sequence numbers, the kernels' epochs advance on the device."""
     buf, local = setup
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
-    ns, experts = (640,), 64
+    ns, experts = (640,), _e(64)
     num_worst = 640 * world
 
     def fill(seed):
@@ -315,11 +325,11 @@ def fp8_and_bf16_round_trip_errors(dist_env, buf, local: int, seed: int) -> List
     rank, device = dist_env.rank, dist_env.device
     errors = []
     for fp8 in (False, True):
-        inputs = inputs_for(dist_env, local, (1000, 300), seed=seed, hidden=HIDDEN, num_experts=64, num_topk=8,
+        inputs = inputs_for(dist_env, local, (1000, 300), seed=seed, hidden=HIDDEN, num_experts=_e(64), num_topk=8,
                             fp8=fp8)
         got = run_dispatch(buf, inputs[rank], device, fp8)
-        errors += dispatch_errors(got, expected(inputs, rank, 64, fp8), fp8, rank, inputs)
-        errors += combine_errors(dist_env, buf, got, inputs, local, 64)
+        errors += dispatch_errors(got, expected(inputs, rank, _e(64), fp8), fp8, rank, inputs)
+        errors += combine_errors(dist_env, buf, got, inputs, local, _e(64))
     return errors
 
 
@@ -387,7 +397,7 @@ def uneven_over_capacity(dist_env, buf, fits_dispatch: bool, seed: int):
     dispatch_cap, combine_cap = capacities(buf, dist_env.world_size)
     ns = (combine_cap // 2, dispatch_cap - 55 if fits_dispatch else dispatch_cap + 345)
     assert combine_cap < ns[1], (dispatch_cap, combine_cap)
-    return inputs_for(dist_env, 1, ns, seed=seed, hidden=HIDDEN, num_experts=64, num_topk=8), combine_cap
+    return inputs_for(dist_env, 1, ns, seed=seed, hidden=HIDDEN, num_experts=_e(64), num_topk=8), combine_cap
 
 
 def test_too_many_tokens_raise_before_the_data_kernel(dist_env):
@@ -400,12 +410,12 @@ def test_too_many_tokens_raise_before_the_data_kernel(dist_env):
     small = plan.header_bytes(world, world) + 2 * world * 64 * record
     buf = make_buffer(dist_env, 1, rdma_bytes=-(-small // 128) * 128)
     try:
-        inputs = inputs_for(dist_env, 1, (200,), seed=91, hidden=HIDDEN, num_experts=64, num_topk=8)
+        inputs = inputs_for(dist_env, 1, (200,), seed=91, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
         with pytest.raises(ValueError, match="do not fit the RDMA buffer"):
             run_dispatch(buf, inputs[rank], device, False)
-        fits = inputs_for(dist_env, 1, (16,), seed=92, hidden=HIDDEN, num_experts=64, num_topk=8)
+        fits = inputs_for(dist_env, 1, (16,), seed=92, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
         got = run_dispatch(buf, fits[rank], device, False)
-        check(dist_env, dispatch_errors(got, expected(fits, rank, 64, False), False, rank, fits), "after the error")
+        check(dist_env, dispatch_errors(got, expected(fits, rank, _e(64), False), False, rank, fits), "after the error")
     finally:
         release(dist_env, buf)
 
@@ -423,7 +433,7 @@ def test_uneven_n_over_capacity_raises_on_every_rank_in_exact_mode(dist_env):
     try:
         inputs, combine_cap = uneven_over_capacity(dist_env, buf, True, seed=111)
         got = run_dispatch(buf, inputs[rank], device, False)
-        check(dist_env, dispatch_errors(got, expected(inputs, rank, 64, False), False, rank, inputs),
+        check(dist_env, dispatch_errors(got, expected(inputs, rank, _e(64), False), False, rank, inputs),
               "dispatch of N up to its capacity")
 
         def every_rank_raises():
@@ -435,10 +445,10 @@ def test_uneven_n_over_capacity_raises_on_every_rank_in_exact_mode(dist_env):
         on_all_ranks(dist_env, every_rank_raises)
 
         fits = inputs_for(dist_env, 1, (combine_cap // 3, combine_cap // 2), seed=113, hidden=HIDDEN,
-                          num_experts=64, num_topk=8)
+                          num_experts=_e(64), num_topk=8)
         got = run_dispatch(buf, fits[rank], device, False)
-        check(dist_env, dispatch_errors(got, expected(fits, rank, 64, False), False, rank, fits) +
-              combine_errors(dist_env, buf, got, fits, 1, 64), "after the errors")
+        check(dist_env, dispatch_errors(got, expected(fits, rank, _e(64), False), False, rank, fits) +
+              combine_errors(dist_env, buf, got, fits, 1, _e(64)), "after the errors")
     finally:
         release(dist_env, buf)
 
@@ -488,12 +498,12 @@ def test_ranks_with_different_formats_fail_on_every_rank(dist_env, differs):
     try:
         def every_rank_fails():
             if differs == "num_experts":
-                mine = inputs_for(dist_env, 1, (128,), seed=141, hidden=HIDDEN, num_experts=128 if odd else 64,
+                mine = inputs_for(dist_env, 1, (128,), seed=141, hidden=HIDDEN, num_experts=_e(128) if odd else 64,
                                   num_topk=8)[rank]
                 with pytest.raises(DeviceCheckFailed) as caught:
                     run_dispatch(buf, mine, device, False)   # exact mode reads the counts: raises here
             else:
-                inputs = inputs_for(dist_env, 1, (128,), seed=142, hidden=HIDDEN, num_experts=64, num_topk=8)
+                inputs = inputs_for(dist_env, 1, (128,), seed=142, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
                 got = run_dispatch(buf, inputs[rank], device, False)
                 buf.combine(got[0], got[4], topk_weights=None if odd else got[2])
                 torch.cuda.synchronize()
@@ -512,7 +522,7 @@ def short_timeout_buffer(dist_env, local: int, seed: int):
     """(Buffer of nodes of `local` ranks with a 3 s EPCOMM_TIMEOUT_S and its kernels built, the rank
     that is to skip a call (the last), every rank's inputs of 256 tokens)."""
     buf = make_buffer(dist_env, local, timeout_s="3")
-    inputs = inputs_for(dist_env, local, (256,), seed=seed, hidden=HIDDEN, num_experts=64, num_topk=8)
+    inputs = inputs_for(dist_env, local, (256,), seed=seed, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
     warm_kernels(dist_env, buf)
     return buf, dist_env.world_size - 1, inputs
 
@@ -533,7 +543,7 @@ def test_peer_timeout_names_the_peer(dist_env):
         pytest.skip("needs 2 or more ranks")
     buf, skipper, inputs = short_timeout_buffer(dist_env, 1, seed=101)
     got = run_dispatch(buf, inputs[rank], device, False)   # every rank takes part once
-    check(dist_env, dispatch_errors(got, expected(inputs, rank, 64, False), False, rank, inputs), "before")
+    check(dist_env, dispatch_errors(got, expected(inputs, rank, _e(64), False), False, rank, inputs), "before")
 
     def waiting_rank_sees_the_timeout():
         began = time.monotonic()
@@ -548,7 +558,7 @@ def test_peer_timeout_names_the_peer(dist_env):
     release(dist_env, buf, failed=True)   # the skipper is alive: teardown may be collective
 
 
-@pytest.mark.parametrize("local", [1, 2], ids=["L1", "L2"])
+@pytest.mark.parametrize("local", [1, 2, 4], ids=["L1", "L2", "L4"])
 def test_peer_timeout_in_combine(dist_env, local):
     """Every rank dispatches, the last rank skips the combine: the others time out within the 3 s
     bound in combine's waits (the reduce's for pushed rows, the finish's for partial sums), naming
