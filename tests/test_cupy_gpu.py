@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests import topology
+
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy", reason="cupy is not installed (the GPU image has cupy-cuda13x)")
 
-N, H, K, E = 300, 1024, 4, 16
+N, H, K, E = 300, 1024, 4, topology.experts(16, topology.world_size())
 
 
 def _inputs(rank):
