@@ -91,6 +91,15 @@ def _gpu_skip_reason():
     return None
 
 
+def pytest_runtest_logreport(report):
+    """Under tests.gpu_session, print each failure as it happens: a run killed at its time limit
+    still shows what failed before (pytest's own report comes only at the end)."""
+    if report.failed and os.environ.get("EPCOMM_TEST_REPORT_AT_ONCE") == "1":
+        sys.stdout.write(f"\nFAILED at once: {report.nodeid} ({report.when})\n"
+                         f"{report.longreprtext[-6000:]}\n")
+        sys.stdout.flush()
+
+
 def pytest_collection_modifyitems(config, items):
     reason = _gpu_skip_reason()
     if reason is None:
