@@ -239,7 +239,28 @@ def summarise(log_text: str) -> str:
             return m.group(1).strip()
         if re.match(r"^\d+ (passed|failed|skipped)", line.strip()):
             return line.strip()
-    return "no pytest summary (crashed or killed): " + (lines[-1][:200] if lines else "empty log")
+    return "no pytest summary (crashed or killed); " + progress(lines)
+
+
+_PROGRESS = re.compile(r"^([.sFExX]+)\s*(\[\s*\d+%\])?$")
+
+
+def progress(lines: List[str]) -> str:
+    """What a log without a summary got through: its progress characters counted (-q), or its
+    per-test PASSED / FAILED / SKIPPED lines (-v)."""
+    counts = collections.Counter()
+    for line in lines:
+        m = _PROGRESS.match(line.strip())
+        if m:
+            counts.update({"passed": m.group(1).count("."), "failed": m.group(1).count("F"),
+                           "skipped": m.group(1).count("s"), "errors": m.group(1).count("E")})
+        else:
+            for word in ("PASSED", "FAILED", "SKIPPED", "ERROR"):
+                if re.search(rf"::\S+ {word}\b", line):
+                    counts[{"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped",
+                            "ERROR": "errors"}[word]] += 1
+    done = ", ".join(f"{n} {what}" for what, n in counts.items() if n)
+    return f"got through {done or 'nothing'}; last line: {lines[-1][:160] if lines else 'none'}"
 
 
 def skip_reasons(log_text: str) -> Dict[str, int]:

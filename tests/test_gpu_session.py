@@ -91,6 +91,10 @@ def test_summary_and_grouped_skip_reasons():
     assert gs.skip_reasons(LOG) == {
         "needs at least 2 nodes of 2 ranks (4+ GPUs); this run has 2": 5, "needs 2 or more ranks": 1}
     assert gs.summarise("Traceback ...\nSegmentation fault").startswith("no pytest summary")
+    killed = gs.summarise("..s.F...\n.ss [ 40%]\n")
+    assert "got through 7 passed, 1 failed, 3 skipped" in killed, killed
+    verbose = gs.summarise("tests/a.py::t[1] PASSED  [ 1%]\ntests/a.py::t[2] FAILED  [ 2%]\n")
+    assert "1 passed, 1 failed" in verbose, verbose
     assert gs.summarise("3 passed in 1.0s") == "3 passed in 1.0s"
 
 
