@@ -13,15 +13,13 @@ kernels are deterministic). Inference only: the step runs under torch.no_grad()
 Without GPUs the same command runs the eager steps on epcomm's CPU backend over gloo and says
 that the CUDA-graph part needs a GPU (exit status 0).
 """
-import argparse
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import epcomm
 from epcomm import autograd as ep
-from moe_train import MoELayer, init
+from moe_train import setup
 
 
 def decode_step(layer, buffer, tokens, max_tokens):
@@ -38,17 +36,9 @@ def decode_step(layer, buffer, tokens, max_tokens):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=16, help="tokens per rank per step (T)")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--experts-per-rank", type=int, default=2)
-    parser.add_argument("--topk", type=int, default=2)
-    args = parser.parse_args()
-    device = init()
+    args, device, layer = setup(__doc__, steps=8, tokens=16)
     rank, world = dist.get_rank(), dist.get_world_size()
-    t, hidden, num_experts = args.tokens, args.hidden, args.experts_per_rank * world
-    layer = MoELayer(hidden, 2 * hidden, num_experts, args.topk, device)
+    t, hidden, num_experts = args.tokens, args.hidden, layer.num_experts
     buffer = epcomm.Buffer(dist.group.WORLD, 0, epcomm.Buffer.get_low_latency_rdma_size_hint(
         t, hidden, world, num_experts), low_latency_mode=True, num_qps_per_rank=args.experts_per_rank,
         explicitly_destroy=True)

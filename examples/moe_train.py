@@ -5,10 +5,9 @@ the gate. Tokens go to their top-k experts with epcomm.autograd.dispatch and com
 epcomm.autograd.combine; the gradient flows back through both to the experts (which see every
 rank's tokens), the gate (through the top-k weights) and the projection (through the rows).
 
-    torchrun --nproc_per_node=2 examples/moe_train.py [--steps 10]
-
-runs on one GPU per rank (NCCL); without GPUs the same command runs over gloo on epcomm's CPU
-backend. Prints the loss (mean over ranks) per step and checks that the replicas stayed equal.
+`torchrun --nproc_per_node=2 examples/moe_train.py [--steps 10]`: one GPU per rank (NCCL), or
+without GPUs gloo and epcomm's CPU backend. Prints the loss (mean over ranks) per step and checks
+that the replicas stayed equal.
 """
 import argparse
 import os
@@ -69,22 +68,26 @@ class MoELayer(torch.nn.Module):
         return combined
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per rank")
+def setup(doc, steps, tokens):
+    """The command line, the process group and the layer, as both examples use them."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--tokens", type=int, default=tokens, help="tokens per rank (per step: T, decoding)")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--experts-per-rank", type=int, default=2)
     parser.add_argument("--topk", type=int, default=2)
     args = parser.parse_args()
     device = init()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    hidden, num_experts = args.hidden, args.experts_per_rank * world
-    layer = MoELayer(hidden, 2 * hidden, num_experts, args.topk, device)
+    num_experts = args.experts_per_rank * dist.get_world_size()
+    return args, device, MoELayer(args.hidden, 2 * args.hidden, num_experts, args.topk, device)
+
+
+def main():
+    args, device, layer = setup(__doc__, steps=10, tokens=64)
+    rank, world, hidden = dist.get_rank(), dist.get_world_size(), args.hidden
     nvl_bytes = max(cfg.get_nvl_buffer_size_hint(hidden * 2, world) for cfg in
                     (epcomm.Buffer.get_dispatch_config(world), epcomm.Buffer.get_combine_config(world)))
     buffer = epcomm.Buffer(dist.group.WORLD, num_nvl_bytes=nvl_bytes, explicitly_destroy=True)
-
     # This rank's batch, and a fixed target map shared by every rank: y = tanh(tokens @ A).
     gen = torch.Generator().manual_seed(100 + rank)
     tokens = torch.randn(args.tokens, hidden, generator=gen).to(device)
@@ -98,8 +101,7 @@ def main():
         for p in (layer.proj, layer.gate):    # replicas: the global loss is the sum of the ranks' losses
             dist.all_reduce(p.grad)
         optimizer.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
+        dist.all_reduce(mean := loss.detach().clone())
         if rank == 0:
             print(f"step {step} loss {mean.item() / world:.6f}", flush=True)
 
