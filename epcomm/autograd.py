@@ -86,9 +86,13 @@ class _Dispatch(torch.autograd.Function):
         ctx.recv_topk_idx = recv_topk_idx
         ctx.num_rows = (recv_x if x_fp8 is None else recv_x[0]).shape[0]
         outputs = (recv_x,) if x_fp8 is None else tuple(recv_x)
-        if x_fp8 is not None or not x.requires_grad:
-            ctx.mark_non_differentiable(*outputs)   # so that nothing upstream computes their gradient
-        return outputs if recv_topk_weights is None else outputs + (recv_topk_weights,)
+        # Outputs of inputs without gradient are constants: nothing downstream computes their gradient.
+        constant = list(outputs) if x_fp8 is not None or not x.requires_grad else []
+        if recv_topk_weights is not None:
+            outputs += (recv_topk_weights,)
+            constant += [] if topk_weights.requires_grad else [recv_topk_weights]
+        ctx.mark_non_differentiable(*constant)
+        return outputs
 
     @staticmethod
     def backward(ctx, *grads):
@@ -115,7 +119,13 @@ class _Combine(torch.autograd.Function):
                                                                   **call.kwargs)
         call.result = (combined_x, combined_topk_weights, event)
         ctx.buffer, ctx.forward_event, ctx.handle = buffer, event.event, call.kwargs["handle"]
-        return (combined_x,) if combined_topk_weights is None else (combined_x, combined_topk_weights)
+        x_side = any(t is not None and t.requires_grad for t in (x, bias0, bias1))
+        constant = [] if x_side else [combined_x]
+        if combined_topk_weights is None:
+            ctx.mark_non_differentiable(*constant)
+            return (combined_x,)
+        ctx.mark_non_differentiable(*constant, *([] if topk_weights.requires_grad else [combined_topk_weights]))
+        return combined_x, combined_topk_weights
 
     @staticmethod
     def backward(ctx, grad_combined_x, grad_combined_weights=None):

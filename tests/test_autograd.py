@@ -151,6 +151,7 @@ def plain_routing_and_padding(w, buf, ep):
         kw = dict(layout, topk_weights=w.w) if worst else dict(layout, topk_idx=None)
         recv_x, recv_idx, recv_w, _, _, _ = ep.dispatch(buf, x, num_worst_tokens=worst, **kw)
         assert (recv_idx is None and recv_w is None) == (not worst)
+        assert recv_x.requires_grad and (recv_w is None or not recv_w.requires_grad)
         m = len(w.rows[w.rank])
         up = _up(w, "gx", (m, w.hidden))
         if worst:
@@ -165,6 +166,8 @@ def combine_grads(w, buf, ep, handle, bias_pair):
     y, weights = _leaf(_up(w, "y", (m, w.hidden)).bfloat16()), _leaf(_up(w, "yw", (m, TOPK)))
     b0 = _leaf(_up(w, "b", (n, w.hidden)).bfloat16())
     bias = (b0, None) if bias_pair else b0
+    only_weights = ep.combine(buf, y.detach(), handle, topk_weights=weights)
+    assert not only_weights[0].requires_grad and only_weights[1].requires_grad
     combined, combined_w, _ = ep.combine(buf, y, handle, topk_weights=weights, bias=bias)
     plain = buf.combine(y.detach(), handle, topk_weights=weights.detach(), bias=b0.detach())
     assert torch.equal(combined, plain[0]) and torch.equal(combined_w, plain[1])
