@@ -258,9 +258,16 @@ def summary(predictions: List[Prediction], checks: List[dict], epcomm_per_sm: Di
     """What the numbers say, in sentences built from them."""
     by = {(p.impl, p.gpu, p.routing, p.op, p.ep, p.tokens): p for p in predictions}
     deepep_checks = [c["measured_over_model"] for c in checks if c["what"].startswith("DeepEP")]
+    dominant = {}
+    for c in checks:
+        if c["what"].startswith("DeepEP"):
+            dominant.setdefault(c["what"].split()[3], set()).add(c["dominant"])
+    internode = [c["measured_over_model"] for c in checks if "internode 2x1" in c["what"]]
     lines = [f"DeepEP V1's published H800 figures are {min(deepep_checks):.0%}-{max(deepep_checks):.0%} of the "
-             f"model (an upper bound with ideal links): the model's terms and routing reproduce where its "
-             f"time goes (NVLink at EP8-16 on H800, RDMA from EP32)."]
+             f"model (an upper bound with ideal links); the model's dominant term there: "
+             + ", ".join(f"{ep} {'/'.join(sorted(terms))}" for ep, terms in dominant.items()) + ".",
+             f"epcomm's measured 2 x 1 internode calls reach {min(internode):.0%}-{max(internode):.0%} of the model "
+             f"(its intranode ones far more): today its internode kernels, not the links, set the time."]
     for gpu in NVLINK_GBPS:
         for op in OPS:
             cells = []
