@@ -1,7 +1,8 @@
 """`python -m bench` (what `make bench` runs).
 
 With GPUs: one process per local GPU (NCCL), the same-run baselines of targets.md, the layout kernel
-and every implemented mode; a table on stdout, JSON under bench/results/. Without GPUs (or with
+and every implemented mode; a table on stdout, JSON and PNG plots (bench/plots.py) in --out
+(default bench/results/ in a clone, else the current directory). Without GPUs (or with
 EPCOMM_BACKEND=cpu): the CPU reference backend on 2 gloo processes, checked round trips.
 Exit status: 0 when every case is ok, skipped or not implemented; 1 when a case failed or a rank died;
 2 when torch is missing.
@@ -30,8 +31,9 @@ def _parse(argv):
     p.add_argument("--only", default="", metavar="M1,M2",
                    help="modules to run: copy, startup, baselines, layout, intranode, low_latency, "
                         "internode (default: all)")
-    p.add_argument("--out", default=None, metavar="PATH",
-                   help="JSON path (default bench/results/<UTC date>_<machine>.json)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for the JSON (<UTC date>_<machine>.json) and its PNG plots, or a .json "
+                        "path; default bench/results/ in a clone, else the current directory")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds the whole run may take before its processes are killed")
     return p.parse_args(argv)

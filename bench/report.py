@@ -242,9 +242,21 @@ def utc_now() -> _dt.datetime:
     return _dt.datetime.now(_dt.timezone.utc)
 
 
-def default_out_path(root: str, info: dict, started: _dt.datetime) -> str:
-    stamp = started.strftime("%Y-%m-%dT%H%M%SZ")
-    return os.path.join(root, "bench", "results", f"{stamp}_{machine_tag(info)}.json")
+def default_results_dir(root: str) -> str:
+    """bench/results in a clone (a checkout with .git), else the current directory: never inside
+    an installed package."""
+    if os.path.exists(os.path.join(root, ".git")):
+        return os.path.join(root, "bench", "results")
+    return os.getcwd()
+
+
+def out_path(out: Optional[str], root: str, info: dict, started: _dt.datetime) -> str:
+    """The JSON's path: `out` itself when it names a .json file, else <stamp>_<machine>.json in the
+    folder `out` (default: default_results_dir). The PNGs go next to it."""
+    if out is not None and out.endswith(".json"):
+        return out
+    name = f"{started.strftime('%Y-%m-%dT%H%M%SZ')}_{machine_tag(info)}.json"
+    return os.path.join(out if out is not None else default_results_dir(root), name)
 
 
 def write_json(path: str, document: dict) -> None:

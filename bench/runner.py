@@ -35,7 +35,7 @@ class Options:
     out: Optional[str]
     started: _dt.datetime
     collective_timeout_s: float
-    root: str                      # repository root (default results folder lives under it)
+    root: str                      # where bench/ lives (a clone's results folder is under it)
     cpu_reason: str = ""           # why the CPU backend runs ("no GPU found", "EPCOMM_BACKEND=cpu")
     pre_results: List[dict] = field(default_factory=list)   # merged copy-probe results
 
@@ -186,7 +186,7 @@ def rank_main(rank: int, world_size: int, port: int, opts: Options) -> None:
         progress = Progress(len(plan))
         ctx.on_progress = progress.note
         info = report.machine_info(opts.mode == "gpu")
-        out = opts.out or report.default_out_path(opts.root, info, opts.started)
+        out = report.out_path(opts.out, opts.root, info, opts.started)
         document = {"schema": 1, "complete": False, "date": opts.started.isoformat(),
                     "mode": opts.mode, "quick": opts.quick, "modules": opts.modules,
                     "world_size": world_size, "machine": info, "versions": report.versions(),
@@ -247,6 +247,13 @@ def _finish(document: dict, out: str, opts: Options) -> int:
     print()
     counts = ", ".join(f"{n} {k}" for k, n in document["summary"].items() if n)
     print(f"{len(results)} results: {counts}. JSON: {out}")
+    from .plots import write_plots
+    try:
+        for path in write_plots(out):
+            print(f"plot: {path}")
+    except Exception as exc:   # a plotting bug must not turn a finished run into a failed one
+        print(f"bench: plotting failed ({type(exc).__name__}: {exc}); the JSON is complete; "
+              f"retry with python -m bench.plots {out}", file=sys.stderr)
     return 1 if document["summary"]["error"] else 0
 
 

@@ -1,10 +1,17 @@
 """epcomm's JIT from the command line (no GPU needed).
 
     python -m epcomm.jit --precompile --arch sm_80,sm_90 [--jobs N]
+    python -m epcomm.jit --precompile --arch sm_90 --shapes model.json
+    python -m epcomm.jit --precompile --arch sm_90 --hidden 7168 --num-topk 8 --num-experts 256 \
+        --num-ranks 16 --num-local-ranks 8 --num-max-dispatch-tokens-per-rank 128 --dtypes bf16,fp8
 
-compiles and links every registered kernel family's representative sources (epcomm.ops.registry)
-for every listed arch, with each feature set that arch can run (sm_90: SM90 and SM80 paths), into
-the cache (EPCOMM_CACHE_DIR). One line per build with its times; exit status 1 if any failed.
+Without shapes it builds every registered kernel family's representative sources
+(epcomm.ops.registry) with each feature set an arch can run (sm_90: SM90 and SM80 paths). With a
+model's shapes (a JSON or TOML file of epcomm.ops.model_kernels.ModelShapes fields, or the options
+below) it builds exactly the kernels that model's Buffer calls will compile, for the feature set
+they will use (EPCOMM_ARCH applies), so a cache (EPCOMM_CACHE_DIR) warmed in a container build
+serves the first calls without compiling. One line per build with its times; exit status 1 if any
+failed.
 """
 from __future__ import annotations
 
@@ -46,16 +53,36 @@ def _build(task) -> Tuple[bool, str]:
                   f"cubin {len(compiled.cubin) // 1024} KiB")
 
 
-def precompile(archs: List[int], jobs: int) -> int:
-    from .runtime import toolchain
+def registry_tasks(archs: List[int]) -> list:
+    """(label, (source, arch, feature)) for every registered source, every feature set per arch."""
     from .runtime.arch import native_feature
     from .ops.registry import representative_sources
-    print(f"epcomm.jit: {toolchain.describe()}", flush=True)
     tasks = []
     for arch_sm in archs:
         native = native_feature(arch_sm)
         for module, src in representative_sources():
             tasks += [(module, (src, arch_sm, f)) for f in sorted({native, 80}, reverse=True)]
+    return tasks
+
+
+def model_tasks(archs: List[int], models) -> list:
+    """(label, (source, arch, feature)) for the kernels the models' calls build, each once, with
+    the feature set a device of that arch runs them with (EPCOMM_ARCH applied, as at run time)."""
+    from . import env
+    from .ops.model_kernels import kernel_sources
+    from .runtime.arch import Arch
+    sources = list(dict.fromkeys(src for model in models for src in kernel_sources(model)))
+    tasks = []
+    for arch_sm in archs:
+        feature = Arch.for_target(arch_sm, env.arch_override()).feature
+        tasks += [("model", (src, arch_sm, feature)) for src in sources]
+    return tasks
+
+
+def precompile(archs: List[int], jobs: int, models=None) -> int:
+    from .runtime import toolchain
+    print(f"epcomm.jit: {toolchain.describe()}", flush=True)
+    tasks = registry_tasks(archs) if models is None else model_tasks(archs, models)
     jobs = max(1, min(jobs, len(tasks)))
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -90,16 +117,58 @@ def _report(tasks, results) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m epcomm.jit", description=__doc__.split("\n\n")[0])
     parser.add_argument("--precompile", action="store_true",
-                        help="build every registered kernel family into the cache")
+                        help="build kernels into the cache: the model's (shape options) or "
+                             "every registered family's")
     parser.add_argument("--arch", type=_parse_archs, default=[80, 90],
                         help="comma-separated compile targets (default sm_80,sm_90)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="parallel builds (processes); default: one per CPU")
+    shapes = parser.add_argument_group(
+        "model shapes", "build only what these calls need (a --shapes file may list several models)")
+    shapes.add_argument("--shapes", metavar="FILE", help="JSON or TOML file of model shapes")
+    for name, metavar, help_text in _SHAPE_OPTIONS:
+        shapes.add_argument(f"--{name.replace('_', '-')}", dest=name, metavar=metavar, help=help_text)
     args = parser.parse_args(argv)
     if not args.precompile:
         parser.print_help()
         return 2
-    return precompile(args.arch, args.jobs)
+    try:
+        models = _models(args)
+    except (ValueError, TypeError, OSError) as e:
+        parser.error(str(e))
+    return precompile(args.arch, args.jobs, models)
+
+
+_SHAPE_OPTIONS = (    # (ModelShapes field, metavar, help)
+    ("hidden", "H", "hidden size"), ("num_topk", "K", "top-k"), ("num_experts", "E", "experts"),
+    ("num_ranks", "R", "ranks (EP size)"), ("num_local_ranks", "L", "ranks per node (default: R, one node)"),
+    ("num_max_dispatch_tokens_per_rank", "T", "low-latency max tokens per rank"),
+    ("dtypes", "LIST", "dispatch payloads: bf16,fp8 (default bf16)"),
+    ("modes", "LIST", "normal,low_latency (default both)"),
+    ("index_dtype", "DTYPE", "topk_idx dtype: int64 (default) or int32"),
+    ("ll_scales", "LIST", "FP8 low-latency scales: float,pow2,ue8m0 (default float)"))
+_LIST_OPTIONS = ("dtypes", "modes", "ll_scales")
+
+
+def _models(args):
+    """The models named by --shapes and / or the shape options; None when neither is given."""
+    from .ops.model_kernels import ModelShapes, load_shapes
+    models = load_shapes(args.shapes) if args.shapes else []
+    given = {name: getattr(args, name) for name, _, _ in _SHAPE_OPTIONS if getattr(args, name) is not None}
+    if given:
+        entry = {}
+        for name, text in given.items():
+            if name in _LIST_OPTIONS:
+                entry[name] = tuple(v.strip() for v in text.split(",") if v.strip())
+            elif name == "index_dtype":
+                entry[name] = text
+            else:
+                try:
+                    entry[name] = int(text)
+                except ValueError:
+                    raise ValueError(f"--{name.replace('_', '-')} must be an integer, got {text!r}") from None
+        models.append(ModelShapes.from_dict(entry))
+    return models or None
 
 
 if __name__ == "__main__":

@@ -166,3 +166,48 @@ def test_dump_and_verbose(tree, tmp_path, monkeypatch, capsys):
     assert ".entry" in (dump / "kernel.ptx").read_text()
     err = capsys.readouterr().err
     assert "NVRTC probe.cu" in err and "nvJitLink probe.cu" in err and "-arch=compute_90" in err
+
+
+# ---- no install path in the key ----------------------------------------------------------------
+_TOOLCHAIN_MEMOS = ("cuda_include_dirs", "cuda_header_versions", "nvshmem_home", "nvshmem_version")
+
+
+def _fake_install(prefix, cudart=13050, cccl=3005000, nvshmem=(3, 4, 5)):
+    """The files toolchain.py looks at in a CUDA / NVSHMEM install, under `prefix`, with these
+    versions (a key computation reads nothing else from them)."""
+    include, nvshmem_inc = prefix / "cuda" / "include", prefix / "nvshmem" / "include"
+    (include / "cccl" / "cuda" / "std" / "__cccl").mkdir(parents=True)
+    (nvshmem_inc / "non_abi").mkdir(parents=True)
+    (include / "cuda_runtime.h").write_text("")
+    (include / "cuda_runtime_api.h").write_text(f"#define CUDART_VERSION  {cudart}\n")
+    (include / "cccl" / "cuda" / "std" / "type_traits").write_text("")
+    (include / "cccl" / "cuda" / "std" / "__cccl" / "version.h").write_text(f"#define CCCL_VERSION {cccl}\n")
+    (nvshmem_inc / "nvshmem.h").write_text("")
+    (nvshmem_inc / "non_abi" / "nvshmem_version.h").write_text("".join(
+        f"#define NVSHMEM_VENDOR_{part}_VERSION {v}\n" for part, v in zip(("MAJOR", "MINOR", "PATCH"), nvshmem)))
+    return prefix
+
+
+def _key_in(monkeypatch, prefix):
+    from epcomm.runtime import toolchain
+    with monkeypatch.context() as m:
+        m.setenv("EPCOMM_CUDA_HOME", str(prefix / "cuda"))
+        m.setenv("EPCOMM_NVSHMEM_HOME", str(prefix / "nvshmem"))
+        for name in _TOOLCHAIN_MEMOS:
+            getattr(toolchain, name).cache_clear()
+        try:
+            plan = compiler.plan_build(KernelSource("probe.cu", SRC.kernels, uses_nvshmem=True), 90, 90)
+            assert any(str(prefix) in o for o in plan.nvrtc_options), "the fake install must be used"
+            return cache.cache_key(plan)
+        finally:
+            for name in _TOOLCHAIN_MEMOS:
+                getattr(toolchain, name).cache_clear()
+
+
+def test_key_has_no_install_path(tree, tmp_path, monkeypatch):
+    """Same versions under two prefixes: one key. Another CUDA header, CCCL or NVSHMEM version: another."""
+    key = _key_in(monkeypatch, _fake_install(tmp_path / "env-a"))
+    assert _key_in(monkeypatch, _fake_install(tmp_path / "opt" / "env-b")) == key
+    assert _key_in(monkeypatch, _fake_install(tmp_path / "c", cudart=13000)) != key
+    assert _key_in(monkeypatch, _fake_install(tmp_path / "d", cccl=3001000)) != key
+    assert _key_in(monkeypatch, _fake_install(tmp_path / "e", nvshmem=(3, 5, 0))) != key

@@ -223,13 +223,14 @@ def fp8_cast(x: torch.Tensor, round_scale: bool = False, use_ue8m0: bool = False
 
 def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
     """f32 [..., S] power-of-two scales -> int32 [..., ceil(S/4)]: group j's biased exponent in
-    byte j % 4 (little-endian) of word j // 4."""
+    byte j % 4 (little-endian) of word j // 4 (on the scales' device)."""
     exponents = (scales.float().view(torch.int32) >> 23).long() & 0xFF
     num_scales = scales.shape[-1]
-    num_words = (num_scales + 3) // 4
-    words = torch.zeros(*scales.shape[:-1], num_words, dtype=torch.int64)
-    for j in range(num_scales):
-        words[..., j // 4] |= exponents[..., j] << (8 * (j % 4))
+    pad = (-num_scales) % 4
+    exponents = torch.nn.functional.pad(exponents, (0, pad)).reshape(
+        *scales.shape[:-1], (num_scales + pad) // 4, 4)
+    shifts = torch.arange(0, 32, 8, device=scales.device)
+    words = (exponents << shifts).sum(-1)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)   # reinterpret as signed
     return words.int()
 

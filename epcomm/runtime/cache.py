@@ -2,8 +2,10 @@
 
 Key = sha256 of: the entry format, every .cu/.cuh under cuda_src/ (so editing any header
 invalidates), the build plan (generated unit, name expressions, NVRTC and nvJitLink options with
-the cuda_src location left out, link libraries, target arch, feature set, link mode) and the
-toolchain (NVRTC, nvJitLink, NVSHMEM versions, CUDA header dirs).
+every install location replaced by a placeholder, link library names, target arch, feature set,
+link mode) and the toolchain versions (NVRTC, nvJitLink, NVSHMEM, CUDA runtime and CCCL headers).
+No absolute path enters the key: a cache built in one environment (a container build, another
+venv) serves any other with the same sources and versions.
 
 Entry = one file: magic, JSON header (key, lowered names), cubin, sha256 of all that. It is written
 to a temp file in the same directory and renamed over the entry (atomic), under a per-key flock so

@@ -87,11 +87,15 @@ class BuildPlan:
 
     @property
     def digest(self) -> str:
-        """Hash of the plan with the cuda_src location left out (its contents are hashed by the
-        cache), so two checkouts of the same sources share cache entries."""
+        """Hash of the plan with every install location left out (cuda_src/, CUDA headers, NVSHMEM:
+        the cache hashes their contents or versions), so two checkouts or environments of the same
+        sources and toolchain versions share cache entries."""
+        places = {f"-I{path}": f"-I{name}" for path, name in toolchain.install_paths().items()}
+        places[f"-I{self.cuda_src}"] = "-I<cuda_src>"
         body = {"unit": self.unit, "kernels": self.source.kernels,
-                "nvrtc": [o.replace(self.cuda_src, "<cuda_src>") for o in self.nvrtc_options],
-                "nvjitlink": self.nvjitlink_options, "libs": self.link_libraries,
+                "nvrtc": [places.get(o, o) for o in self.nvrtc_options],
+                "nvjitlink": self.nvjitlink_options,
+                "libs": [Path(lib).name for lib in self.link_libraries],
                 "target": [self.target.arch_sm, self.target.feature, self.target.uses_nvshmem,
                            self.target.link_mode]}
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()

@@ -10,6 +10,7 @@ A missing piece raises ToolchainError naming the pip package or variable that fi
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -162,10 +163,34 @@ def nvshmem_version() -> Tuple[int, int, int] | None:
     return tuple(int(m.group(1)) for m in parts)
 
 
+def _define(header: Path, name: str) -> int | None:
+    text = header.read_text(errors="replace") if header.is_file() else ""
+    m = re.search(rf"#define\s+{name}\s+(\d+)", text)
+    return int(m.group(1)) if m else None
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_header_versions() -> dict:
+    """CUDA runtime and CCCL versions of the headers kernels include (None where a header lacks it)."""
+    dirs = cuda_include_dirs()    # (include, cccl), or one dir that holds both
+    include, cccl = Path(dirs[0]), Path(dirs[-1])
+    return {"cudart": _define(include / "cuda_runtime_api.h", "CUDART_VERSION"),
+            "cccl": _define(cccl / "cuda" / "std" / "__cccl" / "version.h", "CCCL_VERSION")}
+
+
 def fingerprint() -> dict:
-    """Everything about the toolchain that changes a binary; part of every cache key."""
+    """Everything about the toolchain that changes a binary; part of every cache key. Versions
+    only, no install paths: the same versions elsewhere (another venv, a container) share entries."""
     return {"nvrtc": nvrtc_version(), "nvjitlink": nvjitlink_version(),
-            "nvshmem": nvshmem_version(), "cuda_include": cuda_include_dirs()}
+            "nvshmem": nvshmem_version(), "cuda_headers": cuda_header_versions()}
+
+
+def install_paths() -> dict:
+    """Toolchain directories as they appear in option lists -> the placeholder a cache key uses."""
+    paths = {d: f"<cuda_include_{i}>" for i, d in enumerate(cuda_include_dirs())}
+    with contextlib.suppress(ToolchainError):
+        paths[nvshmem_include_dir()] = "<nvshmem_include>"
+    return paths
 
 
 def describe() -> str:
