@@ -8,6 +8,7 @@ event and no stream switch to what the backend does: validation with cheap attri
 backend call, the result tuple. Only async_finish / previous_event take the comm-stream path."""
 from __future__ import annotations
 
+import types
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from . import env, validate
 from .config import (BUFFER_ALIGNMENT_BYTES, Config, align_buffer_bytes,
                      recommended)
-from .errors import BufferUnusable
+from .errors import BufferUnusable, EpcommError
 from .event import EventOverlap
 from .streams import AsyncScope, new_comm_stream, wait_previous
 from .validate import Call
@@ -36,6 +37,31 @@ def _make_backend(group, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mo
     else:
         from .gpu import GpuBackend as backend_class
     return backend_class(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, options)
+
+
+# Calls that exchange data with every rank (the CPU backend frames them in exchange.py's rounds).
+_COLLECTIVE_METHODS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
+                       "clean_low_latency_buffer")
+
+
+def _rejection_reaches_peers(method):
+    """A Buffer method whose rejection of this rank's input, raised before the backend joined the
+    call's exchange, is told to the peers waiting there (they raise PeerFailed, not a timeout)."""
+    op = f"Buffer.{method.__name__}"
+
+    def call(self, *args, **kwargs):
+        exchange = self._exchange
+        joined = exchange.calls_joined
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            if exchange.calls_joined == joined and self._backend is not None:
+                try:
+                    exchange.reject(op, e)
+                except EpcommError:   # the peers are gone: this rank's own error says more
+                    pass
+            raise
+    return call
 
 
 class BufferRuntime:
@@ -147,6 +173,12 @@ class Buffer:
         # Without explicitly_destroy the backend releases itself at exit: a release from the
         # garbage collector could run at a different point on each rank, and it is collective.
         self.runtime = BufferRuntime(self._backend, self._comm_stream)
+        # A backend with host exchanges (the CPU one) must hear of a rank's rejected input; the GPU
+        # backend's peers time out instead, and its calls keep the plain methods (no wrapper cost).
+        self._exchange = getattr(self._backend, "exchange", None)
+        if self._exchange is not None:
+            for name in _COLLECTIVE_METHODS:
+                setattr(self, name, types.MethodType(_rejection_reaches_peers(getattr(Buffer, name)), self))
 
     def __repr__(self) -> str:
         state = "destroyed" if self._backend is None else type(self._backend).__name__
