@@ -113,7 +113,7 @@ class Exchange:
         """Every rank's small int tuple `values`, transposed (one tuple per field, by rank). The
         header carries the phase's checksum: ranks out of step (one skipped a message) raise here
         rather than read each other's bytes as something else."""
-        tag = zlib.crc32(f"{op}/{phase}".encode())
+        tag = zlib.crc32(phase.encode())   # not the op: agree() names ranks in different calls
         header = torch.tensor([tag, *values], dtype=torch.int64).view(torch.uint8)
         headers = [h.view(torch.int64).tolist() for h in
                    self._swap(header, [header.numel()] * self.num_ranks, op, f"{phase} (sizes)")]
