@@ -385,6 +385,8 @@ class Buffer:
                                       num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                       num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                       num_worst_tokens, self._handle_owner)
+        if args[2] is not None and not validate.is_owned(handle, self._handle_owner):
+            validate.handle_routing(c, args[2], self._internode, self.rank, self._backend.num_local_ranks)
         if type(config) is not Config:
             config = c.config("config", config, None) or self.get_dispatch_config(self.group_size)
         scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
@@ -420,6 +422,8 @@ class Buffer:
         self._require_normal_mode(c)
         x, handle, topk_weights, bias = validate.combine_args(c, self._internode, x, handle, topk_weights, bias,
                                                               self._handle_owner)
+        if not validate.is_owned(handle, self._handle_owner):
+            validate.handle_routing(c, handle, self._internode, self.rank, self._backend.num_local_ranks)
         if type(config) is not Config:
             config = c.config("config", config, None) or self.get_combine_config(self.group_size)
         scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \

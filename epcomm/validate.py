@@ -287,6 +287,89 @@ def normal_handle(c: Call, handle, internode: bool, owner=None) -> tuple:
     return items
 
 
+def is_owned(handle, owner) -> bool:
+    """The handle object one of this Buffer's calls returned (its routing needs no check)."""
+    return type(handle) is Handle and handle.owner is owner
+
+
+def handle_routing(c: Call, items: tuple, internode: bool, rank: int, num_local_ranks: int) -> None:
+    """Full check of a normal-mode handle that is not one this Buffer returned (a rebuilt tuple):
+    its routing must be consistent with its counts and ranges, in the layout both backends share
+    (the backend-specific elements are checked by shape and the totals they must hold). Reads GPU
+    tensors back to the host: this is the slow path of a rebuilt handle only."""
+    host = [v.cpu() if isinstance(v, _Tensor) else v for v in items]
+    r = c.num_ranks
+
+    def bad(element: str, why: str):
+        raise c.error("handle", f"is not a consistent dispatch handle: {element} {why}")
+
+    if internode:
+        in_rank, sent_per_rank, recv_prefix, src_meta = host[0], host[2], host[6], host[7]
+        send_node_head, send_rank_head = host[8], host[9]
+        c.tensor("handle[0] (is_token_in_rank)", items[0], BOOL, (None, r), "[num_tokens, num_ranks]")
+        n, nodes = in_rank.shape[0], r // num_local_ranks
+        if tuple(send_rank_head.shape) != (n, r) or tuple(send_node_head.shape) != (n, nodes):
+            bad("handle[8] / handle[9] (send heads)", f"must have shapes [{n}, {nodes}] and [{n}, {r}], got "
+                f"{list(send_node_head.shape)} and {list(send_rank_head.shape)}")
+        in_node = in_rank.view(n, nodes, num_local_ranks).any(-1)
+        if not torch.equal(send_node_head >= 0, in_node):
+            bad("handle[8] (send_rdma_head)", "is not >= 0 exactly where handle[0] sends to the node")
+        sent = in_rank.sum(0, dtype=torch.int32)
+        if sent_per_rank.numel() < r or not torch.equal(sent_per_rank.flatten()[:r].int(), sent):
+            bad("handle[2] (gbl_channel_prefix_matrix)", f"must start with the tokens handle[0] sends to each "
+                f"rank, {sent.tolist()}, got {sent_per_rank.flatten()[:r].tolist()}")
+        received = torch.diff(recv_prefix.long(), prepend=recv_prefix.new_zeros(1).long())
+        rows_meta = src_meta[:, 1] if src_meta.dim() == 2 and src_meta.shape[1] >= 2 else None
+        if rows_meta is None:
+            bad("handle[7] (recv_src_meta)", f"must be [num_recv_tokens, >= 2], got {list(src_meta.shape)}")
+        _check_received_rows(bad, "handle[6] (recv_gbl_rank_prefix_sum)", "handle[7] (recv_src_meta)",
+                             received, rows_meta, src_meta[:, 0])
+    else:
+        prefix, channel, recv_channel, recv_src, in_rank, send_head = host
+        n = in_rank.shape[0]
+        if (prefix < 0).any() or (prefix.diff(dim=0) < 0).any():
+            bad("handle[0] (rank_prefix_matrix)", "must be non-negative and non-decreasing down each column")
+        sent = in_rank.sum(0, dtype=torch.int32)
+        mine = prefix[rank] - (prefix[rank - 1] if rank else 0)
+        if not torch.equal(mine, sent):
+            bad("handle[4] (is_token_in_rank)", f"sends {sent.tolist()} tokens to the ranks, handle[0] "
+                f"(rank_prefix_matrix) says this rank sends {mine.tolist()}")
+        for index, name, table in ((1, "channel_prefix_matrix", channel),
+                                   (2, "recv_channel_prefix_matrix", recv_channel)):
+            if not isinstance(table, _Tensor) or table.dim() != 2 or table.shape[0] != r:
+                bad(f"handle[{index}] ({name})", f"must be [num_ranks={r}, channels]")
+        if not torch.equal(channel[:, -1].int(), sent):
+            bad("handle[1] (channel_prefix_matrix)", f"must end with the tokens sent to each rank, {sent.tolist()}")
+        if not isinstance(send_head, _Tensor) or tuple(send_head.shape) != (n, r):
+            bad("handle[5] (send_head)", f"must be [{n}, {r}]")
+        if not torch.equal(send_head >= 0, in_rank):
+            bad("handle[5] (send_head)", "is not >= 0 exactly where handle[4] sends the token")
+        received = torch.diff(prefix[:, rank].long(), prepend=prefix.new_zeros(1).long())
+        _check_received_rows(bad, "handle[0] (rank_prefix_matrix)", "handle[3] (recv_src_idx)", received,
+                             recv_src, None)
+
+
+def _check_received_rows(bad, counts_name: str, rows_name: str, received, src_token, src_rank) -> None:
+    """The received rows: per-source counts >= 0, then as many valid rows (token ids >= 0, increasing
+    within each source's block, the block's source rank where the handle stores it), then padding (-1)."""
+    if (received < 0).any():
+        bad(counts_name, f"gives negative row counts per source {received.tolist()}")
+    valid = int(received.sum())
+    if src_token.shape[0] < valid:
+        bad(rows_name, f"has {src_token.shape[0]} rows, the counts of {counts_name} need {valid}")
+    if (src_token[valid:] != -1).any() or (src_rank is not None and (src_rank[valid:] != -1).any()):
+        bad(rows_name, f"must be -1 on the padding rows past the {valid} received")
+    begin = 0
+    for source, count in enumerate(received.tolist()):
+        block = src_token[begin:begin + count].long()
+        if (block < 0).any() or (block.diff() <= 0).any():
+            bad(rows_name, f"rows {begin}..{begin + count - 1} (from rank {source}) must hold increasing "
+                           f"token indices >= 0")
+        if src_rank is not None and (src_rank[begin:begin + count] != source).any():
+            bad(rows_name, f"rows {begin}..{begin + count - 1} must name source rank {source}")
+        begin += count
+
+
 def _all_torch_or_plain(items) -> bool:
     """No element needs a DLPack conversion (torch tensors, ints, None, ...)."""
     for v in items:

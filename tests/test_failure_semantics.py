@@ -49,10 +49,10 @@ def _tokens(rank, n=T):
 def _normal_round_trip(buf, rank):
     """A valid dispatch + combine: combine(dispatch(x)) sums each token once per rank it reached."""
     x, idx, w = _tokens(rank)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-    recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                              num_tokens_per_expert=per_expert, topk_idx=idx,
-                                              topk_weights=w)
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                                              is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                              topk_idx=idx, topk_weights=w)
     combined, _, _ = buf.combine(recv_x, handle)
     expected = x.float() * in_rank.sum(1, keepdim=True)
     assert torch.allclose(combined.float(), expected, rtol=1e-2, atol=1e-2)
@@ -173,6 +173,36 @@ def _case_cross_rank_mismatches(rank, world):
         del os.environ["EPCOMM_NUM_LOCAL_RANKS"]
 
 
+def _case_rebuilt_handles(rank, world):
+    """A handle rebuilt as a new tuple is checked in full: a faithful copy works, one with
+    is_token_in_rank inverted (or a shortened row list) is rejected, naming the element."""
+    for internode in (False, True):
+        if internode:
+            os.environ["EPCOMM_NUM_LOCAL_RANKS"] = "1"
+        try:
+            buf = _buffer(_fresh_group())
+        finally:
+            os.environ.pop("EPCOMM_NUM_LOCAL_RANKS", None)
+        handle = _normal_round_trip(buf, rank)
+        x, _, _ = _tokens(rank)
+        copy = tuple(handle)
+        recv_x, *_ = buf.dispatch(x, handle=copy)
+        combined, _, _ = buf.combine(recv_x, copy)
+        in_rank_index = 0 if internode else 4
+        inverted = list(copy)
+        inverted[in_rank_index] = ~copy[in_rank_index]
+        for bad in (tuple(inverted), list(inverted)):
+            _raises(lambda: buf.combine(recv_x, bad), ValueError, "Buffer.combine: handle is not a consistent",
+                    "is_token_in_rank" if not internode else "handle[")
+            _raises(lambda: buf.dispatch(x, handle=bad), ValueError, "Buffer.dispatch: handle is not a consistent")
+        if not internode:
+            short = list(copy)
+            short[3] = copy[3][:-1]
+            _raises(lambda: buf.combine(recv_x[:-1], tuple(short)), ValueError, "handle[3] (recv_src_idx)")
+        _normal_round_trip(buf, rank)
+        buf.destroy()
+
+
 def _case_host_memory_is_lazy(rank, world):
     """A GPU-sized num_nvl_bytes costs no host memory until viewed; a view that cannot fit says so."""
     from epcomm import Buffer
@@ -184,7 +214,7 @@ def _case_host_memory_is_lazy(rank, world):
 def _all_cases(rank, world, group):
     os.environ["EPCOMM_TIMEOUT_S"] = str(TIMEOUT_S)
     for case in (_case_rank_rejects_its_input, _case_data_dependent_errors, _case_cross_rank_mismatches,
-                 _case_host_memory_is_lazy, _case_peer_never_calls):
+                 _case_rebuilt_handles, _case_host_memory_is_lazy, _case_peer_never_calls):
         try:
             case(rank, world)
         except BaseException as e:
