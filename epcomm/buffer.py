@@ -34,6 +34,10 @@ def _make_backend(group, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mo
         choice = "cpu" if "gloo" in name and "nccl" not in name else "gpu"
     if choice == "cpu":
         from .reference import ReferenceBackend as backend_class
+    elif not torch.cuda.is_available():
+        raise RuntimeError(f"Buffer: the GPU backend (EPCOMM_BACKEND={env.backend()}, group backend "
+                           f"{dist.get_backend(group)}) needs CUDA, and torch.cuda.is_available() is False; "
+                           f"use a gloo group or EPCOMM_BACKEND=cpu for the CPU reference backend")
     else:
         from .gpu import GpuBackend as backend_class
     return backend_class(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, options)
@@ -214,11 +218,11 @@ class Buffer:
             self._low_latency_fits.add(shape)
         return ops
 
-    def _returned_handle(self, c: Call, handle: tuple):
+    def _returned_handle(self, c: Call, handle: tuple, num_tokens: Optional[int] = None):
         """A backend's handle as the caller gets it: marked as this Buffer's (validate.Handle), or
         converted to the caller's framework (then checked in full when it comes back)."""
         if c.framework is None or c.framework == "torch":
-            return validate.owned_handle(handle, self._handle_owner)
+            return validate.owned_handle(handle, self._handle_owner, num_tokens)
         return c.output(handle)
 
     def _stream_order(self, c: Call, previous_event, async_finish, allocate_on_comm_stream
@@ -392,11 +396,11 @@ class Buffer:
         scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
             else self._stream_order(c, previous_event, async_finish, allocate_on_comm_stream)
         if scope is None:
-            r = self._backend.dispatch(*args, config)
+            r = self._run_dispatch(c, args, config)
             event = EventOverlap()
         else:
             with scope:
-                r = self._backend.dispatch(*args, config)
+                r = self._run_dispatch(c, args, config)
                 event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_topk_idx, r.recv_topk_weights,
                                             r.handle))
         recv_x = r.recv_x if args[1] is None else (r.recv_x, r.recv_x_scales)
@@ -404,6 +408,15 @@ class Buffer:
             return c.output(recv_x), None, None, None, None, event
         return (*c.output((recv_x, r.recv_topk_idx, r.recv_topk_weights)), r.num_recv_tokens_per_expert_list,
                 self._returned_handle(c, r.handle), event)
+
+    def _run_dispatch(self, c: Call, args: tuple, config: Config):
+        try:
+            return self._backend.dispatch(*args, config)
+        except (MemoryError, RuntimeError) as e:   # the allocator's message names bytes, not the cause
+            if args[10] and "allocate" in str(e):
+                raise MemoryError(f"{c.op}: num_worst_tokens={args[10]} received rows of hidden="
+                                  f"{args[0].shape[1]} do not fit in memory ({e})") from e
+            raise
 
     def combine(self, x: Tensor, handle: Tuple, topk_weights: Optional[Tensor] = None,
                 bias: Union[None, Tensor, Tuple[Tensor, Tensor]] = None, config: Optional[Config] = None,
@@ -487,7 +500,8 @@ class Buffer:
                 r = self._backend.low_latency_dispatch(*args, return_recv_hook)
                 event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_count, r.handle))
         recv_x = (r.recv_x, r.recv_x_scales) if args[6] else r.recv_x
-        return (*c.output((recv_x, r.recv_count)), self._returned_handle(c, r.handle), event, r.hook)
+        return (*c.output((recv_x, r.recv_count)), self._returned_handle(c, r.handle, args[0].shape[0]), event,
+                r.hook)
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: Tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -511,6 +525,9 @@ class Buffer:
         low_latency = self._low_latency_ops or self._low_latency(c)
         args = validate.ll_combine_args(c, low_latency.MAX_TOPK, x, topk_idx, topk_weights, handle, use_logfmt,
                                         zero_copy, out, combine_wait_recv_cost_stats, self._handle_owner)
+        if type(handle) is validate.Handle and handle.num_tokens not in (None, args[1].shape[0]):
+            raise c.error("topk_idx", f"must have the {handle.num_tokens} rows of the low_latency_dispatch that "
+                                      f"made the handle, got {args[1].shape[0]}")
         shape = args[3][2:]
         if shape not in self._low_latency_fits:
             self._low_latency(c, shape)

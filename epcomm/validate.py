@@ -32,6 +32,7 @@ def _normal_index_dtype(topk_idx) -> torch.dtype:
     kernels are specialised on the index type and recv_topk_idx keeps it."""
     return torch.int32 if getattr(topk_idx, "dtype", None) is torch.int32 else TOPK_IDX_DTYPE
 MAX_TOPK = 32                     # normal-mode top-k bound
+INT32_MAX = 2 ** 31 - 1           # kernels take counts and sizes as 32-bit ints
 FP8_BLOCK = 128                   # channels per FP8 scale
 UE8M0_PER_INT = 4                 # packed UE8M0 exponents per int32
 BF16, FP8, F32, I32, I64, BOOL = (torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32,
@@ -84,6 +85,11 @@ class Call:
         if value is not None and not isinstance(value, EventOverlap):
             raise self.error(name, f"must be None or an EventOverlap (from Buffer.capture() or a previous "
                                    f"call), got {type(value).__name__}", TypeError)
+        inner = None if value is None else value.event
+        if inner is not None and not (isinstance(inner, torch.Event) or hasattr(inner, "wait")
+                                      or hasattr(inner, "current_stream_wait")):
+            raise self.error(name, f"must wrap a torch.cuda.Event (or None), got an EventOverlap of "
+                                   f"{type(inner).__name__}", TypeError)
         return value
 
     def config(self, name: str, value, default: Config) -> Config:
@@ -93,8 +99,15 @@ class Call:
             raise self.error(name, f"must be None or an epcomm.Config, got {type(value).__name__}", TypeError)
         return value
 
+    def bounded(self, name: str, value, minimum: int = 0) -> int:
+        """An int that kernels take as a 32-bit count (so sizes derived from it stay in range)."""
+        value = self.integer(name, value, minimum)
+        if value > INT32_MAX:
+            raise self.error(name, f"must be at most {INT32_MAX} (a 32-bit count), got {value}")
+        return value
+
     def num_experts(self, name: str, value) -> int:
-        value = self.integer(name, value, minimum=1)
+        value = self.bounded(name, value, minimum=1)
         if value % self.num_ranks:
             raise self.error(name, f"must be divisible by the number of ranks ({self.num_ranks}), got {value}")
         return value
@@ -202,13 +215,17 @@ class Handle(tuple):
     caller, marked with the Buffer's token (`owner`). Its elements were made by that Buffer's
     backend, so when the tuple comes back to the same Buffer (combine, cached dispatch,
     get_next_low_latency_combine_buffer) its tensors are not checked again. Changing them in place
-    (resize_, set_) is not supported; any other tuple (a copy, a slice, a list) is fully checked."""
+    (resize_, set_) is not supported; any other tuple (a copy, a slice, a list) is fully checked.
+    num_tokens: the N of the low-latency dispatch that made it (its combine must pass N rows)."""
     owner = None
+    num_tokens = None
 
 
-def owned_handle(handle: tuple, owner) -> Handle:
+def owned_handle(handle: tuple, owner, num_tokens: Optional[int] = None) -> Handle:
     marked = Handle(handle)
     marked.owner = owner
+    if num_tokens is not None:
+        marked.num_tokens = num_tokens
     return marked
 
 
@@ -226,7 +243,7 @@ def stream_args(c: Call, previous_event, async_finish, allocate_on_comm_stream):
 def layout_args(c: Call, topk_idx, num_experts) -> Tuple[torch.Tensor, int]:
     # The valid case in one expression (layout is the cheapest call: its host time is mostly this
     # and the launch); anything else takes the checks below, which raise the precise error.
-    if (type(num_experts) is int and type(topk_idx) is _Tensor and not c.check_values and num_experts >= 1
+    if (type(num_experts) is int and type(topk_idx) is _Tensor and not c.check_values and 1 <= num_experts <= INT32_MAX
             and not num_experts % c.num_ranks and topk_idx.dtype is TOPK_IDX_DTYPE and topk_idx.device == c.device
             and topk_idx.dim() == 2 and topk_idx.is_contiguous() and 1 <= topk_idx.shape[1] <= MAX_TOPK):
         if c.framework is None:
@@ -386,7 +403,7 @@ def dispatch_args(c: Call, internode: bool, num_local_ranks: int, x, handle, num
     x, x_scales = dispatch_x(c, x)
     n = x.shape[0]
     expert_alignment = c.integer("expert_alignment", expert_alignment, minimum=1)
-    num_worst_tokens = c.integer("num_worst_tokens", num_worst_tokens, minimum=0)
+    num_worst_tokens = c.bounded("num_worst_tokens", num_worst_tokens, minimum=0)
     if handle is not None:
         if topk_idx is not None or topk_weights is not None:
             raise c.error("topk_idx", "and topk_weights must be None when a cached handle is given (the "
@@ -474,8 +491,8 @@ def exclusive_hook(c: Call, async_finish, return_recv_hook) -> Tuple[bool, bool]
 
 def ll_shape(c: Call, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> Tuple[int, int, int]:
     """(T, H, E) of a low-latency call, as clean_low_latency_buffer and handles carry them."""
-    t = c.integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-    h = c.integer("hidden", hidden, minimum=1)
+    t = c.bounded("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+    h = c.bounded("hidden", hidden, minimum=1)
     if h % 8:
         raise c.error("hidden", f"must be a multiple of 8, got {h}")
     return t, h, c.num_experts("num_experts", num_experts)
@@ -489,9 +506,9 @@ def ll_dispatch_args(c: Call, max_topk: int, x, topk_idx, num_max_dispatch_token
     # Scalars: plain ints and bools pass inline checks (the low-latency host budget is tight);
     # anything else goes through the general checks, which convert or raise.
     t, e = num_max_dispatch_tokens_per_rank, num_experts
-    if type(t) is not int or t < 1:
-        t = c.integer("num_max_dispatch_tokens_per_rank", t, minimum=1)
-    if type(e) is not int or e < 1 or e % r:
+    if type(t) is not int or t < 1 or t > INT32_MAX:
+        t = c.bounded("num_max_dispatch_tokens_per_rank", t, minimum=1)
+    if type(e) is not int or e < 1 or e % r or e > INT32_MAX:
         e = c.num_experts("num_experts", e)
     if not (type(use_fp8) is bool and type(round_scale) is bool and type(use_ue8m0) is bool):
         use_fp8, round_scale, use_ue8m0 = (c.flag("use_fp8", use_fp8), c.flag("round_scale", round_scale),

@@ -203,6 +203,42 @@ def _case_rebuilt_handles(rank, world):
         buf.destroy()
 
 
+def _case_lesser_items(rank, world):
+    """Each misuse gets an error naming the argument or what is expected."""
+    from epcomm import Buffer, EventOverlap
+    buf = _buffer(_fresh_group())
+    x, idx, w = _tokens(rank)
+    _raises(lambda: buf.get_dispatch_layout(idx, 2 ** 40), ValueError, "num_experts must be at most")
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    _raises(lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                 num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+                                 num_worst_tokens=2 ** 40), ValueError, "num_worst_tokens must be at most")
+    _raises(lambda: buf.low_latency_dispatch(x, idx, T, 2 ** 40 * R, use_fp8=False), ValueError,
+            "num_experts must be at most")
+    _raises(lambda: buf.get_dispatch_layout(idx, E, previous_event=EventOverlap(object()), async_finish=True),
+            TypeError, "previous_event must wrap a torch.cuda.Event")
+    # low-latency combine with fewer top-k rows than dispatched: the returned handle knows N; a
+    # rebuilt tuple is caught where the rows come back, on every rank
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    _raises(lambda: buf.low_latency_combine(recv, idx[:-1], w[:-1], handle), ValueError,
+            "topk_idx must have the 4 rows of the low_latency_dispatch")
+    _raises(lambda: buf.low_latency_combine(recv, idx[:-1], w[:-1], tuple(handle)), ValueError,
+            "topk_idx has 3 rows")
+    _ll_round_trip(buf, rank)
+    # a cached dispatch with a shortened handle names the handle, not num_worst_tokens
+    handle = _normal_round_trip(buf, rank)
+    short = list(handle)
+    short[3] = handle[3][:-1]
+    error = _raises(lambda: buf.dispatch(x, handle=tuple(short)), ValueError, "handle[3] (recv_src_idx)")
+    assert "num_worst_tokens" not in str(error), error
+    buf.destroy()
+    os.environ["EPCOMM_BACKEND"] = "gpu"
+    try:
+        _raises(lambda: Buffer(_fresh_group(), 1 << 20), RuntimeError, "needs CUDA", "EPCOMM_BACKEND=cpu")
+    finally:
+        os.environ["EPCOMM_BACKEND"] = "cpu"
+
+
 def _case_host_memory_is_lazy(rank, world):
     """A GPU-sized num_nvl_bytes costs no host memory until viewed; a view that cannot fit says so."""
     from epcomm import Buffer
@@ -214,7 +250,7 @@ def _case_host_memory_is_lazy(rank, world):
 def _all_cases(rank, world, group):
     os.environ["EPCOMM_TIMEOUT_S"] = str(TIMEOUT_S)
     for case in (_case_rank_rejects_its_input, _case_data_dependent_errors, _case_cross_rank_mismatches,
-                 _case_rebuilt_handles, _case_host_memory_is_lazy, _case_peer_never_calls):
+                 _case_rebuilt_handles, _case_lesser_items, _case_host_memory_is_lazy, _case_peer_never_calls):
         try:
             case(rank, world)
         except BaseException as e:
