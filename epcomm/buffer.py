@@ -68,6 +68,16 @@ def _rejection_reaches_peers(method):
     return call
 
 
+def _synchronised(method):
+    """EPCOMM_SYNC_CALLS: the call, then a device synchronisation and the failure check, so a
+    failed wait raises at the call that made it (a returned hook does the same when called)."""
+    def call(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        self.check_errors(synchronize=True)
+        return result
+    return call
+
+
 class BufferRuntime:
     """The queries of DeepEP's `Buffer.runtime` that user code calls (None after `destroy()`)."""
 
@@ -183,6 +193,10 @@ class Buffer:
         if self._exchange is not None:
             for name in _COLLECTIVE_METHODS:
                 setattr(self, name, types.MethodType(_rejection_reaches_peers(getattr(Buffer, name)), self))
+        self._sync_calls = self._device.type == "cuda" and env.sync_calls()
+        if self._sync_calls:
+            for name in _COLLECTIVE_METHODS + ("get_dispatch_layout",):
+                setattr(self, name, types.MethodType(_synchronised(getattr(Buffer, name)), self))
 
     def __repr__(self) -> str:
         state = "destroyed" if self._backend is None else type(self._backend).__name__
@@ -197,6 +211,33 @@ class Buffer:
             raise BufferUnusable(f"{op}: the Buffer was destroyed")
         backend.check_errors()
         return Call(op, self._device, self.group_size, self._check_values)
+
+    def check_errors(self, synchronize: bool = False) -> None:
+        """Raise the failure a call of this Buffer recorded: PeerTimeout (a wait on a peer ran past
+        EPCOMM_TIMEOUT_S; op, rank, peer and phase named) or DeviceCheckFailed, the first time it is
+        seen, BufferUnusable afterwards. GPU calls record failures as their kernels run, so this sees
+        the calls whose kernels have finished: synchronize=True (or synchronising the device first)
+        covers every call issued so far. Every Buffer method checks the same way when it starts."""
+        backend = self._backend
+        if backend is None:
+            raise BufferUnusable("Buffer.check_errors: the Buffer was destroyed")
+        if synchronize and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        backend.check_errors()
+
+    def _checked_hook(self, hook: Optional[Callable]) -> Optional[Callable]:
+        """A recv hook that checks the Buffer's failure record like a call (and, with
+        EPCOMM_SYNC_CALLS, synchronises and checks after receiving)."""
+        if hook is None:
+            return None
+        backend, sync = self._backend, self._sync_calls
+
+        def checked_hook():
+            backend.check_errors()
+            hook()
+            if sync:
+                self.check_errors(synchronize=True)
+        return checked_hook
 
     def _require_normal_mode(self, c: Call) -> None:
         if self._normal_mode_problem is not None:
@@ -235,7 +276,7 @@ class Buffer:
         if not async_finish:
             wait_previous(previous_event)
             return None
-        return AsyncScope(self._comm, previous_event)
+        return AsyncScope(self._comm, previous_event, self._backend.check_errors)
 
     def _shrink(self, c: Call) -> None:
         self._low_latency(c)
@@ -323,8 +364,19 @@ class Buffer:
                                "by hand; this one is released at exit")
         if self._backend is None:
             raise BufferUnusable("Buffer.destroy: the Buffer was already destroyed")
+        # The failure of an earlier call raises here too, once the device has finished its kernels
+        # (they are bounded by EPCOMM_TIMEOUT_S); the backend then releases what it safely can.
+        failure = None
+        try:
+            self.check_errors(synchronize=True)
+        except BufferUnusable:
+            pass   # already raised by an earlier call
+        except EpcommError as e:
+            failure = e
         backend, self._backend, self.runtime = self._backend, None, None
         backend.destroy()
+        if failure is not None:
+            raise failure
 
     # ---- normal mode ---------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
@@ -496,12 +548,13 @@ class Buffer:
             r = self._backend.low_latency_dispatch(*args, return_recv_hook)
             event = EventOverlap()
         else:
-            with AsyncScope(self._comm, None) as scope:
+            with AsyncScope(self._comm, None, self._backend.check_errors) as scope:
                 r = self._backend.low_latency_dispatch(*args, return_recv_hook)
                 event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_count, r.handle))
         recv_x = (r.recv_x, r.recv_x_scales) if args[6] else r.recv_x
+        hook = r.hook if r.hook is None else self._checked_hook(r.hook)
         return (*c.output((recv_x, r.recv_count)), self._returned_handle(c, r.handle, args[0].shape[0]), event,
-                r.hook)
+                hook)
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: Tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -537,10 +590,12 @@ class Buffer:
                                                                  zero_copy, return_recv_hook, out_t, wait_stats)
             event = EventOverlap()
         else:
-            with AsyncScope(self._comm, None) as scope:
+            with AsyncScope(self._comm, None, self._backend.check_errors) as scope:
                 combined_x, hook = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt,
                                                                      zero_copy, return_recv_hook, out_t, wait_stats)
                 event = scope.finish(args, (combined_x,))
+        if hook is not None:
+            hook = self._checked_hook(hook)
         # Hand the caller's own `out` object back, as DeepEP returns `out` itself.
         result = out if out is not None and combined_x is args[6] else c.output(combined_x)
         return result, event, hook
