@@ -259,3 +259,16 @@ def _all_cases(rank, world, group):
 
 def test_failure_semantics_cpu():
     run_ranks(_all_cases, R, timeout=240)
+
+
+def test_gpu_failure_patterns_read_as_nan_and_minus_one():
+    """The bytes the GPU poison launch writes into a failed call's outputs (epcomm/ops/poison.py)
+    read as NaN in every floating-point output dtype and as -1 in the integer ones."""
+    from epcomm.ops.poison import pattern
+    for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int32, torch.int64):
+        raw = torch.tensor(list(pattern(dtype).to_bytes(4, "little")) * 4, dtype=torch.uint8)
+        values = raw.view(dtype)
+        if dtype.is_floating_point:
+            assert torch.isnan(values.float()).all(), (dtype, values)
+        else:
+            assert (values == -1).all(), (dtype, values)
