@@ -48,6 +48,13 @@ _COLLECTIVE_METHODS = ("dispatch", "combine", "low_latency_dispatch", "low_laten
                        "clean_low_latency_buffer")
 
 
+# What low-latency calls check across ranks, in the order of their argument-set keys.
+_LL_DISPATCH_ARGUMENTS = ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "num_topk", "use_fp8",
+                          "round_scale", "use_ue8m0")
+_LL_COMBINE_ARGUMENTS = ("num_max_dispatch_tokens_per_rank (of the handle)", "hidden (of the handle)",
+                         "num_experts (of the handle)", "num_topk", "use_logfmt")
+
+
 def _rejection_reaches_peers(method):
     """A Buffer method whose rejection of this rank's input, raised before the backend joined the
     call's exchange, is told to the peers waiting there (they raise PeerFailed, not a timeout)."""
@@ -178,6 +185,7 @@ class Buffer:
         self._comm_stream = None if self._comm is None else self._comm.stream
         self._low_latency_ops = None   # epcomm.ops.low_latency, imported by the first low-latency call
         self._low_latency_fits = set()   # (T, H, E) whose layout fits num_rdma_bytes
+        self._low_latency_agreed = set()   # argument sets checked across ranks (_agreed_low_latency)
         self._handle_owner = object()   # marks the handles this Buffer returns (validate.Handle)
         self._normal_mode_problem = (
             "needs a Buffer with num_nvl_bytes > 0 (see Config.get_nvl_buffer_size_hint), this one has 0"
@@ -258,6 +266,18 @@ class Buffer:
                       f"has {self.num_rdma_bytes}")
             self._low_latency_fits.add(shape)
         return ops
+
+    def _agreed_low_latency(self, c: Call, names: Tuple[str, ...], key: tuple) -> None:
+        """First call with the argument set `key` (its first three: T, H, E): on the GPU, every rank
+        must hold the same set (epcomm.agreement; checked before the capacity, so a mismatch raises
+        alike everywhere); the CPU backend checks every call in its exchange."""
+        if self._exchange is None and self._device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return   # no collective inside a graph capture: the next call outside checks
+            from .agreement import agree
+            agree(self.group, self._device, c.op, names, key, env.timeout_s())
+        self._low_latency(c, key[:3])
+        self._low_latency_agreed.add(key)
 
     def _returned_handle(self, c: Call, handle: tuple, num_tokens: Optional[int] = None):
         """A backend's handle as the caller gets it: marked as this Buffer's (validate.Handle), or
@@ -541,9 +561,9 @@ class Buffer:
         args = validate.ll_dispatch_args(c, low_latency.MAX_TOPK, x, topk_idx, num_max_dispatch_tokens_per_rank,
                                          num_experts, cumulative_local_expert_recv_stats,
                                          dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
-        shape = (args[2], args[0].shape[1], args[3])
-        if shape not in self._low_latency_fits:
-            self._low_latency(c, shape)
+        key = (args[2], args[0].shape[1], args[3], args[1].shape[1], args[6], args[7], args[8])
+        if key not in self._low_latency_agreed:
+            self._agreed_low_latency(c, _LL_DISPATCH_ARGUMENTS, key)
         if not async_finish:
             r = self._backend.low_latency_dispatch(*args, return_recv_hook)
             event = EventOverlap()
@@ -581,9 +601,9 @@ class Buffer:
         if type(handle) is validate.Handle and handle.num_tokens not in (None, args[1].shape[0]):
             raise c.error("topk_idx", f"must have the {handle.num_tokens} rows of the low_latency_dispatch that "
                                       f"made the handle, got {args[1].shape[0]}")
-        shape = args[3][2:]
-        if shape not in self._low_latency_fits:
-            self._low_latency(c, shape)
+        key = (*args[3][2:], args[1].shape[1], args[4])
+        if key not in self._low_latency_agreed:
+            self._agreed_low_latency(c, _LL_COMBINE_ARGUMENTS, key)
         x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out_t, wait_stats = args
         if not async_finish:
             combined_x, hook = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt,

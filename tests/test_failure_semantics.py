@@ -239,6 +239,23 @@ def _case_lesser_items(rank, world):
         os.environ["EPCOMM_BACKEND"] = "cpu"
 
 
+def _case_once_per_shape_agreement(rank, world):
+    """The GPU Buffer's once-per-argument-set check (epcomm.agreement), here over gloo: equal sets
+    pass, a differing one raises ValueError naming it on every rank, a rank that never joins gives
+    PeerTimeout within the bound."""
+    from epcomm.agreement import agree
+    from epcomm.errors import PeerTimeout
+    group, cpu, names = _fresh_group(), torch.device("cpu"), ("num_experts", "use_fp8")
+    agree(group, cpu, "Buffer.low_latency_dispatch", names, (E, True), TIMEOUT_S)
+    _raises(lambda: agree(group, cpu, "Buffer.low_latency_dispatch", names, (E * (1 + (rank == 1)), True), TIMEOUT_S),
+            ValueError, "Buffer.low_latency_dispatch: num_experts must be equal on every rank")
+    if rank == world - 1:
+        time.sleep(TIMEOUT_S + 1)
+        return
+    _raises(lambda: agree(group, cpu, "Buffer.low_latency_dispatch", names, (E, True), TIMEOUT_S), PeerTimeout,
+            "agree on the arguments")
+
+
 def _case_host_memory_is_lazy(rank, world):
     """A GPU-sized num_nvl_bytes costs no host memory until viewed; a view that cannot fit says so."""
     from epcomm import Buffer
@@ -250,7 +267,8 @@ def _case_host_memory_is_lazy(rank, world):
 def _all_cases(rank, world, group):
     os.environ["EPCOMM_TIMEOUT_S"] = str(TIMEOUT_S)
     for case in (_case_rank_rejects_its_input, _case_data_dependent_errors, _case_cross_rank_mismatches,
-                 _case_rebuilt_handles, _case_lesser_items, _case_host_memory_is_lazy, _case_peer_never_calls):
+                 _case_rebuilt_handles, _case_lesser_items, _case_host_memory_is_lazy,
+                 _case_once_per_shape_agreement, _case_peer_never_calls):
         try:
             case(rank, world)
         except BaseException as e:
