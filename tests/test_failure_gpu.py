@@ -183,6 +183,33 @@ def test_event_and_hook_paths_raise(dist_env, path):
     _release(dist_env, buf)
 
 
+def test_low_latency_mismatched_arguments_raise_on_every_rank(dist_env):
+    """Odd ranks pass twice the experts, or one token fewer per rank as T: ValueError naming the
+    argument on every rank (checked once per argument set), and the Buffer then serves valid calls."""
+    import epcomm
+    if dist_env.world_size < 2:
+        pytest.skip("needs 2 or more ranks")
+    n, experts, k = _shape(dist_env)
+    odd = dist_env.rank % 2 == 1
+    rdma = epcomm.Buffer.get_low_latency_rdma_size_hint(n, HIDDEN, dist_env.world_size, 2 * experts)
+    buf = epcomm.Buffer(dist_env.group, num_rdma_bytes=rdma, low_latency_mode=True, explicitly_destroy=True)
+    x, idx, weights = _inputs(dist_env, seed=6)
+
+    def every_rank_raises():
+        with pytest.raises(ValueError, match="num_experts must be equal on every rank"):
+            buf.low_latency_dispatch(x, idx, n, 2 * experts if odd else experts, use_fp8=False)
+        with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank must be equal on every rank"):
+            buf.low_latency_dispatch(x[:n - 1], idx[:n - 1], n - 1 if odd else n, experts, use_fp8=False)
+        recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, n, experts, use_fp8=False)
+        combined, _, _ = buf.low_latency_combine(recv, idx, weights, handle)
+        expected = x.float() * weights.sum(1, keepdim=True)
+        assert torch.allclose(combined.float(), expected, rtol=2e-2, atol=2e-2)
+    on_all_ranks(dist_env, every_rank_raises)
+    torch.cuda.synchronize()
+    dist_env.barrier()
+    buf.destroy()
+
+
 def test_valid_calls_are_not_poisoned(dist_env):
     """The poison launch after every call leaves valid outputs alone (a round trip stays exact)."""
     buf = _buffer(dist_env, low_latency=False)
