@@ -78,6 +78,11 @@ def _release(dist_env, buf) -> None:
     """Every rank is alive and its kernels finished: teardown may be collective after the failure."""
     torch.cuda.synchronize()
     buf._backend.nvshmem.peer_failed = False
+    _destroy(dist_env, buf)
+
+
+def _destroy(dist_env, buf) -> None:
+    torch.cuda.synchronize()
     dist_env.barrier()
     buf.destroy()
 
@@ -205,9 +210,28 @@ def test_low_latency_mismatched_arguments_raise_on_every_rank(dist_env):
         expected = x.float() * weights.sum(1, keepdim=True)
         assert torch.allclose(combined.float(), expected, rtol=2e-2, atol=2e-2)
     on_all_ranks(dist_env, every_rank_raises)
-    torch.cuda.synchronize()
-    dist_env.barrier()
-    buf.destroy()
+    _destroy(dist_env, buf)
+
+
+def test_rebuilt_handle_is_checked_in_full(dist_env):
+    """A copy of a real handle passes the full check and combines like the original; one with
+    is_token_in_rank inverted is rejected before any launch, naming it, on every rank."""
+    buf = _buffer(dist_env, low_latency=False)
+    x, idx, weights = _inputs(dist_env, seed=7)
+
+    def every_rank():
+        recv_x, _, _, _, handle, _ = _dispatch(buf, dist_env, (x, idx, weights))
+        combined, _, _ = buf.combine(recv_x, handle)
+        again, _, _ = buf.combine(recv_x, tuple(handle))
+        assert torch.equal(combined, again), "a faithful copy of the handle combined differently"
+        inverted = list(handle)
+        inverted[4] = ~handle[4]
+        with pytest.raises(ValueError, match="handle is not a consistent dispatch handle"):
+            buf.combine(recv_x, tuple(inverted))
+        torch.cuda.synchronize()
+        buf.check_errors()
+    on_all_ranks(dist_env, every_rank)
+    _destroy(dist_env, buf)
 
 
 def test_valid_calls_are_not_poisoned(dist_env):
@@ -225,6 +249,4 @@ def test_valid_calls_are_not_poisoned(dist_env):
         expected = x.float() * in_rank.sum(1, keepdim=True)
         assert torch.allclose(combined.float(), expected, rtol=1e-2, atol=1e-2)
     on_all_ranks(dist_env, round_trip)
-    torch.cuda.synchronize()
-    dist_env.barrier()
-    buf.destroy()
+    _destroy(dist_env, buf)

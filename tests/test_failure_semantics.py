@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import run_ranks
+from tests.test_validation import expect as _raises
 
 R = 3
 TIMEOUT_S = 2.0
@@ -26,17 +27,6 @@ E = 2 * R
 
 def _fresh_group():
     return dist.new_group(list(range(dist.get_world_size())), backend="gloo")
-
-
-def _raises(call, exc, *words):
-    try:
-        call()
-    except Exception as e:  # checked below, so a wrong type fails with its message
-        assert isinstance(e, exc), f"expected {exc.__name__} naming {words}, got {type(e).__name__}: {e}"
-        for word in words:
-            assert word in str(e), f"{exc.__name__} should name {word!r}: {e}"
-        return e
-    raise AssertionError(f"expected {exc.__name__} naming {words}, nothing was raised")
 
 
 def _tokens(rank, n=T):

@@ -136,7 +136,7 @@ class Exchange:
         deadline = time.monotonic() + self.timeout_s
         group = self.group
         received: List[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * self.num_ranks
-        received[self.rank] = data
+        received[self.rank] = data.clone()   # results built from it must not alias the caller's input
         recvs, sends = [], []
         for peer in range(self.num_ranks):
             if peer == self.rank:
