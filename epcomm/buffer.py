@@ -8,6 +8,7 @@ event and no stream switch to what the backend does: validation with cheap attri
 backend call, the result tuple. Only async_finish / previous_event take the comm-stream path."""
 from __future__ import annotations
 
+import types
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from . import env, validate
 from .config import (BUFFER_ALIGNMENT_BYTES, Config, align_buffer_bytes,
                      recommended)
-from .errors import BufferUnusable
+from .errors import BufferUnusable, EpcommError
 from .event import EventOverlap
 from .streams import AsyncScope, new_comm_stream, wait_previous
 from .validate import Call
@@ -33,9 +34,55 @@ def _make_backend(group, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mo
         choice = "cpu" if "gloo" in name and "nccl" not in name else "gpu"
     if choice == "cpu":
         from .reference import ReferenceBackend as backend_class
+    elif not torch.cuda.is_available():
+        raise RuntimeError(f"Buffer: the GPU backend (EPCOMM_BACKEND={env.backend()}, group backend "
+                           f"{dist.get_backend(group)}) needs CUDA, and torch.cuda.is_available() is False; "
+                           f"use a gloo group or EPCOMM_BACKEND=cpu for the CPU reference backend")
     else:
         from .gpu import GpuBackend as backend_class
     return backend_class(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, options)
+
+
+# Calls that exchange data with every rank (the CPU backend frames them in exchange.py's rounds).
+_COLLECTIVE_METHODS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
+                       "clean_low_latency_buffer")
+
+
+# What low-latency calls check across ranks, in the order of their argument-set keys.
+_LL_DISPATCH_ARGUMENTS = ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "num_topk", "use_fp8",
+                          "round_scale", "use_ue8m0")
+_LL_COMBINE_ARGUMENTS = ("num_max_dispatch_tokens_per_rank (of the handle)", "hidden (of the handle)",
+                         "num_experts (of the handle)", "num_topk", "use_logfmt")
+
+
+def _rejection_reaches_peers(method):
+    """A Buffer method whose rejection of this rank's input, raised before the backend joined the
+    call's exchange, is told to the peers waiting there (they raise PeerFailed, not a timeout)."""
+    op = f"Buffer.{method.__name__}"
+
+    def call(self, *args, **kwargs):
+        exchange = self._exchange
+        joined = exchange.calls_joined
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            if exchange.calls_joined == joined and self._backend is not None:
+                try:
+                    exchange.reject(op, e)
+                except EpcommError:   # the peers are gone: this rank's own error says more
+                    pass
+            raise
+    return call
+
+
+def _synchronised(method):
+    """EPCOMM_SYNC_CALLS: the call, then a device synchronisation and the failure check, so a
+    failed wait raises at the call that made it (a returned hook does the same when called)."""
+    def call(self, *args, **kwargs):
+        result = method(self, *args, **kwargs)
+        self.check_errors(synchronize=True)
+        return result
+    return call
 
 
 class BufferRuntime:
@@ -138,6 +185,7 @@ class Buffer:
         self._comm_stream = None if self._comm is None else self._comm.stream
         self._low_latency_ops = None   # epcomm.ops.low_latency, imported by the first low-latency call
         self._low_latency_fits = set()   # (T, H, E) whose layout fits num_rdma_bytes
+        self._low_latency_agreed = set()   # argument sets checked across ranks (_agreed_low_latency)
         self._handle_owner = object()   # marks the handles this Buffer returns (validate.Handle)
         self._normal_mode_problem = (
             "needs a Buffer with num_nvl_bytes > 0 (see Config.get_nvl_buffer_size_hint), this one has 0"
@@ -147,6 +195,16 @@ class Buffer:
         # Without explicitly_destroy the backend releases itself at exit: a release from the
         # garbage collector could run at a different point on each rank, and it is collective.
         self.runtime = BufferRuntime(self._backend, self._comm_stream)
+        # A backend with host exchanges (the CPU one) must hear of a rank's rejected input; the GPU
+        # backend's peers time out instead, and its calls keep the plain methods (no wrapper cost).
+        self._exchange = getattr(self._backend, "exchange", None)
+        if self._exchange is not None:
+            for name in _COLLECTIVE_METHODS:
+                setattr(self, name, types.MethodType(_rejection_reaches_peers(getattr(Buffer, name)), self))
+        self._sync_calls = self._device.type == "cuda" and env.sync_calls()
+        if self._sync_calls:
+            for name in _COLLECTIVE_METHODS + ("get_dispatch_layout",):
+                setattr(self, name, types.MethodType(_synchronised(getattr(Buffer, name)), self))
 
     def __repr__(self) -> str:
         state = "destroyed" if self._backend is None else type(self._backend).__name__
@@ -161,6 +219,33 @@ class Buffer:
             raise BufferUnusable(f"{op}: the Buffer was destroyed")
         backend.check_errors()
         return Call(op, self._device, self.group_size, self._check_values)
+
+    def check_errors(self, synchronize: bool = False) -> None:
+        """Raise the failure a call of this Buffer recorded: PeerTimeout (a wait on a peer ran past
+        EPCOMM_TIMEOUT_S; op, rank, peer and phase named) or DeviceCheckFailed, the first time it is
+        seen, BufferUnusable afterwards. GPU calls record failures as their kernels run, so this sees
+        the calls whose kernels have finished: synchronize=True (or synchronising the device first)
+        covers every call issued so far. Every Buffer method checks the same way when it starts."""
+        backend = self._backend
+        if backend is None:
+            raise BufferUnusable("Buffer.check_errors: the Buffer was destroyed")
+        if synchronize and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        backend.check_errors()
+
+    def _checked_hook(self, hook: Optional[Callable]) -> Optional[Callable]:
+        """A recv hook that checks the Buffer's failure record like a call (and, with
+        EPCOMM_SYNC_CALLS, synchronises and checks after receiving)."""
+        if hook is None:
+            return None
+        backend, sync = self._backend, self._sync_calls
+
+        def checked_hook():
+            backend.check_errors()
+            hook()
+            if sync:
+                self.check_errors(synchronize=True)
+        return checked_hook
 
     def _require_normal_mode(self, c: Call) -> None:
         if self._normal_mode_problem is not None:
@@ -182,11 +267,23 @@ class Buffer:
             self._low_latency_fits.add(shape)
         return ops
 
-    def _returned_handle(self, c: Call, handle: tuple):
+    def _agreed_low_latency(self, c: Call, names: Tuple[str, ...], key: tuple) -> None:
+        """First call with the argument set `key` (its first three: T, H, E): on the GPU, every rank
+        must hold the same set (epcomm.agreement; checked before the capacity, so a mismatch raises
+        alike everywhere); the CPU backend checks every call in its exchange."""
+        if self._exchange is None and self._device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return   # no collective inside a graph capture: the next call outside checks
+            from .agreement import agree
+            agree(self.group, self._device, c.op, names, key, env.timeout_s())
+        self._low_latency(c, key[:3])
+        self._low_latency_agreed.add(key)
+
+    def _returned_handle(self, c: Call, handle: tuple, num_tokens: Optional[int] = None):
         """A backend's handle as the caller gets it: marked as this Buffer's (validate.Handle), or
         converted to the caller's framework (then checked in full when it comes back)."""
         if c.framework is None or c.framework == "torch":
-            return validate.owned_handle(handle, self._handle_owner)
+            return validate.owned_handle(handle, self._handle_owner, num_tokens)
         return c.output(handle)
 
     def _stream_order(self, c: Call, previous_event, async_finish, allocate_on_comm_stream
@@ -199,7 +296,7 @@ class Buffer:
         if not async_finish:
             wait_previous(previous_event)
             return None
-        return AsyncScope(self._comm, previous_event)
+        return AsyncScope(self._comm, previous_event, self._backend.check_errors)
 
     def _shrink(self, c: Call) -> None:
         self._low_latency(c)
@@ -287,8 +384,19 @@ class Buffer:
                                "by hand; this one is released at exit")
         if self._backend is None:
             raise BufferUnusable("Buffer.destroy: the Buffer was already destroyed")
+        # The failure of an earlier call raises here too, once the device has finished its kernels
+        # (they are bounded by EPCOMM_TIMEOUT_S); the backend then releases what it safely can.
+        failure = None
+        try:
+            self.check_errors(synchronize=True)
+        except BufferUnusable:
+            pass   # already raised by an earlier call
+        except EpcommError as e:
+            failure = e
         backend, self._backend, self.runtime = self._backend, None, None
         backend.destroy()
+        if failure is not None:
+            raise failure
 
     # ---- normal mode ---------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
@@ -353,16 +461,18 @@ class Buffer:
                                       num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                       num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                       num_worst_tokens, self._handle_owner)
+        if args[2] is not None and not validate.is_owned(handle, self._handle_owner):
+            validate.handle_routing(c, args[2], self._internode, self.rank, self._backend.num_local_ranks)
         if type(config) is not Config:
             config = c.config("config", config, None) or self.get_dispatch_config(self.group_size)
         scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
             else self._stream_order(c, previous_event, async_finish, allocate_on_comm_stream)
         if scope is None:
-            r = self._backend.dispatch(*args, config)
+            r = self._run_dispatch(c, args, config)
             event = EventOverlap()
         else:
             with scope:
-                r = self._backend.dispatch(*args, config)
+                r = self._run_dispatch(c, args, config)
                 event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_topk_idx, r.recv_topk_weights,
                                             r.handle))
         recv_x = r.recv_x if args[1] is None else (r.recv_x, r.recv_x_scales)
@@ -370,6 +480,15 @@ class Buffer:
             return c.output(recv_x), None, None, None, None, event
         return (*c.output((recv_x, r.recv_topk_idx, r.recv_topk_weights)), r.num_recv_tokens_per_expert_list,
                 self._returned_handle(c, r.handle), event)
+
+    def _run_dispatch(self, c: Call, args: tuple, config: Config):
+        try:
+            return self._backend.dispatch(*args, config)
+        except (MemoryError, RuntimeError) as e:   # the allocator's message names bytes, not the cause
+            if args[10] and "allocate" in str(e):
+                raise MemoryError(f"{c.op}: num_worst_tokens={args[10]} received rows of hidden="
+                                  f"{args[0].shape[1]} do not fit in memory ({e})") from e
+            raise
 
     def combine(self, x: Tensor, handle: Tuple, topk_weights: Optional[Tensor] = None,
                 bias: Union[None, Tensor, Tuple[Tensor, Tensor]] = None, config: Optional[Config] = None,
@@ -388,6 +507,8 @@ class Buffer:
         self._require_normal_mode(c)
         x, handle, topk_weights, bias = validate.combine_args(c, self._internode, x, handle, topk_weights, bias,
                                                               self._handle_owner)
+        if not validate.is_owned(handle, self._handle_owner):
+            validate.handle_routing(c, handle, self._internode, self.rank, self._backend.num_local_ranks)
         if type(config) is not Config:
             config = c.config("config", config, None) or self.get_combine_config(self.group_size)
         scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
@@ -440,18 +561,20 @@ class Buffer:
         args = validate.ll_dispatch_args(c, low_latency.MAX_TOPK, x, topk_idx, num_max_dispatch_tokens_per_rank,
                                          num_experts, cumulative_local_expert_recv_stats,
                                          dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
-        shape = (args[2], args[0].shape[1], args[3])
-        if shape not in self._low_latency_fits:
-            self._low_latency(c, shape)
+        key = (args[2], args[0].shape[1], args[3], args[1].shape[1], args[6], args[7], args[8])
+        if key not in self._low_latency_agreed:
+            self._agreed_low_latency(c, _LL_DISPATCH_ARGUMENTS, key)
         if not async_finish:
             r = self._backend.low_latency_dispatch(*args, return_recv_hook)
             event = EventOverlap()
         else:
-            with AsyncScope(self._comm, None) as scope:
+            with AsyncScope(self._comm, None, self._backend.check_errors) as scope:
                 r = self._backend.low_latency_dispatch(*args, return_recv_hook)
                 event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_count, r.handle))
         recv_x = (r.recv_x, r.recv_x_scales) if args[6] else r.recv_x
-        return (*c.output((recv_x, r.recv_count)), self._returned_handle(c, r.handle), event, r.hook)
+        hook = r.hook if r.hook is None else self._checked_hook(r.hook)
+        return (*c.output((recv_x, r.recv_count)), self._returned_handle(c, r.handle, args[0].shape[0]), event,
+                hook)
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: Tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -475,19 +598,24 @@ class Buffer:
         low_latency = self._low_latency_ops or self._low_latency(c)
         args = validate.ll_combine_args(c, low_latency.MAX_TOPK, x, topk_idx, topk_weights, handle, use_logfmt,
                                         zero_copy, out, combine_wait_recv_cost_stats, self._handle_owner)
-        shape = args[3][2:]
-        if shape not in self._low_latency_fits:
-            self._low_latency(c, shape)
+        if type(handle) is validate.Handle and handle.num_tokens not in (None, args[1].shape[0]):
+            raise c.error("topk_idx", f"must have the {handle.num_tokens} rows of the low_latency_dispatch that "
+                                      f"made the handle, got {args[1].shape[0]}")
+        key = (*args[3][2:], args[1].shape[1], args[4])
+        if key not in self._low_latency_agreed:
+            self._agreed_low_latency(c, _LL_COMBINE_ARGUMENTS, key)
         x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out_t, wait_stats = args
         if not async_finish:
             combined_x, hook = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt,
                                                                  zero_copy, return_recv_hook, out_t, wait_stats)
             event = EventOverlap()
         else:
-            with AsyncScope(self._comm, None) as scope:
+            with AsyncScope(self._comm, None, self._backend.check_errors) as scope:
                 combined_x, hook = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt,
                                                                      zero_copy, return_recv_hook, out_t, wait_stats)
                 event = scope.finish(args, (combined_x,))
+        if hook is not None:
+            hook = self._checked_hook(hook)
         # Hand the caller's own `out` object back, as DeepEP returns `out` itself.
         result = out if out is not None and combined_x is args[6] else c.output(combined_x)
         return result, event, hook

@@ -6,7 +6,9 @@ EPCOMM_BACKEND            auto                 auto: CPU reference backend for a
 EPCOMM_ARCH               (detected)           sm80 / sm90: feature set for the JIT (sm80 on an H200 tests
                                                the Ampere path); a Buffer reads it when it is created.
 EPCOMM_CACHE_DIR          ~/.cache/epcomm      where compiled cubins are cached.
-EPCOMM_TIMEOUT_S          20                   bound of every GPU wait on a peer, seconds.
+EPCOMM_TIMEOUT_S          20                   bound of every wait on a peer (GPU kernels, CPU backend), seconds.
+EPCOMM_SYNC_CALLS         0                    1: every GPU Buffer call synchronises the device and raises a
+                                               failure (PeerTimeout...) at the call itself (debugging; slow).
 EPCOMM_NVSHMEM_HOME       (nvidia-nvshmem wheel) root of an NVSHMEM install (include/, lib/).
 EPCOMM_CUDA_HOME          (wheels, then /usr/local/cuda) root of a CUDA toolkit (include/, include/cccl).
 EPCOMM_NVSHMEM_LINK       inline               inline: NVSHMEM device code from headers (no IBGDA);
@@ -66,6 +68,10 @@ def timeout_s() -> float:
     if value <= 0:
         raise ValueError(f"EPCOMM_TIMEOUT_S must be > 0, got {value}")
     return value
+
+
+def sync_calls() -> bool:
+    return _flag("EPCOMM_SYNC_CALLS")
 
 
 def nvshmem_home() -> Optional[str]:

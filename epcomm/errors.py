@@ -22,12 +22,21 @@ class NvshmemError(EpcommError):
 
 
 class PeerTimeout(EpcommError):
-    """A GPU wait on another rank ran past EPCOMM_TIMEOUT_S."""
+    """A wait on another rank ran past EPCOMM_TIMEOUT_S (GPU kernel or CPU backend exchange)."""
 
     def __init__(self, op: str, rank: int, peer: int, phase: str, timeout_s: float):
         self.op, self.rank, self.peer, self.phase, self.timeout_s = op, rank, peer, phase, timeout_s
         super().__init__(f"{op}: rank {rank} timed out after {timeout_s:g} s waiting for peer {peer} "
                          f"({phase})")
+
+
+class PeerFailed(EpcommError):
+    """The same collective call failed on another rank (its input was rejected, or the exchanged
+    data broke a rule there), so this rank's call was abandoned too; `message` is that rank's error."""
+
+    def __init__(self, op: str, rank: int, peer: int, message: str):
+        self.op, self.rank, self.peer, self.message = op, rank, peer, message
+        super().__init__(f"{op}: rank {rank} stopped because the call failed on rank {peer}: {message}")
 
 
 class DeviceCheckFailed(EpcommError):

@@ -28,14 +28,19 @@ class EventOverlap:
     Usage: `event.current_stream_wait()`, or `with event: ...` (the current stream waits on exit).
     """
 
-    __slots__ = ("event", "extra_tensors")
+    __slots__ = ("event", "extra_tensors", "check_errors")
 
     def __init__(self, event: Optional[Any] = None, extra_tensors: Optional[Tuple[Any, ...]] = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
+        # Set by the Buffer whose call recorded the event: waiting on it raises a failure that
+        # Buffer recorded (PeerTimeout...), as any call of the Buffer would.
+        self.check_errors = None
 
     def current_stream_wait(self) -> None:
         """Make `torch.cuda.current_stream()` wait for the event (nothing to do when it is None)."""
+        if self.check_errors is not None:
+            self.check_errors()
         if self.event is not None:
             stream_wait_event(None, self.event)
 

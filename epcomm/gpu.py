@@ -72,7 +72,7 @@ class GpuBackend(Backend):
         self.low_latency_mode = bool(low_latency_mode)
         self.options = dict(options)
         self.timeout_ns = int(env.timeout_s() * 1e9)
-        self.nvl = self.rdma = self._ll = self._normal_ops = None
+        self.nvl = self.rdma = self._ll = self._normal_ops = self._poison = None
 
         local_error, status, forced_local_ranks = None, None, None
         try:
@@ -193,11 +193,32 @@ class GpuBackend(Backend):
             self._normal_ops = ops
         return ops
 
+    # Every call's outputs are followed on the stream by the poison launch (ops/poison.py): after a
+    # failed wait they read NaN / -1 rather than passing for data.
+    def _poisoned(self):
+        poison = self._poison
+        if poison is None:
+            from .ops.poison import Poison
+            poison = self._poison = Poison(self)
+        return poison
+
+    def _poisoned_hook(self, hook, *outputs):
+        poison = self._poisoned()
+
+        def receive_then_poison():
+            hook()
+            poison.after(*outputs)
+        return receive_then_poison
+
     def dispatch(self, *args, **kwargs):
-        return self._normal_mode().dispatch(self, *args, **kwargs)
+        r = self._normal_mode().dispatch(self, *args, **kwargs)
+        self._poisoned().after(r.recv_x, r.recv_x_scales, r.recv_topk_idx, r.recv_topk_weights)
+        return r
 
     def combine(self, *args, **kwargs):
-        return self._normal_mode().combine(self, *args, **kwargs)
+        combined_x, combined_weights = self._normal_mode().combine(self, *args, **kwargs)
+        self._poisoned().after(combined_x, combined_weights)
+        return combined_x, combined_weights
 
     # ---- low-latency mode --------------------------------------------------------------------
     def _low_latency(self):
@@ -208,10 +229,20 @@ class GpuBackend(Backend):
         return self._ll
 
     def low_latency_dispatch(self, *args, **kwargs):
-        return self._low_latency().dispatch(*args, **kwargs)
+        r = self._low_latency().dispatch(*args, **kwargs)
+        if r.hook is None:
+            self._poisoned().after(r.recv_x, r.recv_x_scales, r.recv_count)
+        else:
+            r.hook = self._poisoned_hook(r.hook, r.recv_x, r.recv_x_scales, r.recv_count)
+        return r
 
     def low_latency_combine(self, *args, **kwargs):
-        return self._low_latency().combine(*args, **kwargs)
+        combined_x, hook = self._low_latency().combine(*args, **kwargs)
+        if hook is None:
+            self._poisoned().after(combined_x)
+        else:
+            hook = self._poisoned_hook(hook, combined_x)
+        return combined_x, hook
 
     def clean_low_latency_buffer(self, *args):
         return self._low_latency().clean_buffer(*args)

@@ -28,7 +28,7 @@ With comm None (CPU backend) everything is synchronous and the scopes do nothing
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -81,11 +81,14 @@ class AsyncScope:
     """An async_finish=True call on the comm stream (module doc); with comm None it does nothing
     and returns an EventOverlap without event."""
 
-    __slots__ = ("comm", "previous_event", "compute", "restore_device")
+    __slots__ = ("comm", "previous_event", "compute", "restore_device", "check_errors")
 
-    def __init__(self, comm: Optional[CommStream], previous_event: Optional[EventOverlap]) -> None:
+    def __init__(self, comm: Optional[CommStream], previous_event: Optional[EventOverlap],
+                 check_errors: Optional[Callable[[], None]] = None) -> None:
+        """check_errors: the Buffer's failure check, run when the returned event is waited for."""
         self.comm = comm
         self.previous_event = previous_event
+        self.check_errors = check_errors
         self.compute = None
         self.restore_device = None
 
@@ -120,7 +123,9 @@ class AsyncScope:
             t.record_stream(stream)
         event = torch.cuda.Event()
         event.record(stream)
-        return EventOverlap(event, inputs + outputs)
+        overlap = EventOverlap(event, inputs + outputs)
+        overlap.check_errors = self.check_errors
+        return overlap
 
     def __exit__(self, exc_type, exc_val, exc_tb) -> None:
         if self.comm is None:

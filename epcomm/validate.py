@@ -32,6 +32,7 @@ def _normal_index_dtype(topk_idx) -> torch.dtype:
     kernels are specialised on the index type and recv_topk_idx keeps it."""
     return torch.int32 if getattr(topk_idx, "dtype", None) is torch.int32 else TOPK_IDX_DTYPE
 MAX_TOPK = 32                     # normal-mode top-k bound
+INT32_MAX = 2 ** 31 - 1           # kernels take counts and sizes as 32-bit ints
 FP8_BLOCK = 128                   # channels per FP8 scale
 UE8M0_PER_INT = 4                 # packed UE8M0 exponents per int32
 BF16, FP8, F32, I32, I64, BOOL = (torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32,
@@ -84,6 +85,11 @@ class Call:
         if value is not None and not isinstance(value, EventOverlap):
             raise self.error(name, f"must be None or an EventOverlap (from Buffer.capture() or a previous "
                                    f"call), got {type(value).__name__}", TypeError)
+        inner = None if value is None else value.event
+        if inner is not None and not (isinstance(inner, torch.Event) or hasattr(inner, "wait")
+                                      or hasattr(inner, "current_stream_wait")):
+            raise self.error(name, f"must wrap a torch.cuda.Event (or None), got an EventOverlap of "
+                                   f"{type(inner).__name__}", TypeError)
         return value
 
     def config(self, name: str, value, default: Config) -> Config:
@@ -93,8 +99,15 @@ class Call:
             raise self.error(name, f"must be None or an epcomm.Config, got {type(value).__name__}", TypeError)
         return value
 
+    def bounded(self, name: str, value, minimum: int = 0) -> int:
+        """An int that kernels take as a 32-bit count (so sizes derived from it stay in range)."""
+        value = self.integer(name, value, minimum)
+        if value > INT32_MAX:
+            raise self.error(name, f"must be at most {INT32_MAX} (a 32-bit count), got {value}")
+        return value
+
     def num_experts(self, name: str, value) -> int:
-        value = self.integer(name, value, minimum=1)
+        value = self.bounded(name, value, minimum=1)
         if value % self.num_ranks:
             raise self.error(name, f"must be divisible by the number of ranks ({self.num_ranks}), got {value}")
         return value
@@ -202,13 +215,17 @@ class Handle(tuple):
     caller, marked with the Buffer's token (`owner`). Its elements were made by that Buffer's
     backend, so when the tuple comes back to the same Buffer (combine, cached dispatch,
     get_next_low_latency_combine_buffer) its tensors are not checked again. Changing them in place
-    (resize_, set_) is not supported; any other tuple (a copy, a slice, a list) is fully checked."""
+    (resize_, set_) is not supported; any other tuple (a copy, a slice, a list) is fully checked.
+    num_tokens: the N of the low-latency dispatch that made it (its combine must pass N rows)."""
     owner = None
+    num_tokens = None
 
 
-def owned_handle(handle: tuple, owner) -> Handle:
+def owned_handle(handle: tuple, owner, num_tokens: Optional[int] = None) -> Handle:
     marked = Handle(handle)
     marked.owner = owner
+    if num_tokens is not None:
+        marked.num_tokens = num_tokens
     return marked
 
 
@@ -226,7 +243,7 @@ def stream_args(c: Call, previous_event, async_finish, allocate_on_comm_stream):
 def layout_args(c: Call, topk_idx, num_experts) -> Tuple[torch.Tensor, int]:
     # The valid case in one expression (layout is the cheapest call: its host time is mostly this
     # and the launch); anything else takes the checks below, which raise the precise error.
-    if (type(num_experts) is int and type(topk_idx) is _Tensor and not c.check_values and num_experts >= 1
+    if (type(num_experts) is int and type(topk_idx) is _Tensor and not c.check_values and 1 <= num_experts <= INT32_MAX
             and not num_experts % c.num_ranks and topk_idx.dtype is TOPK_IDX_DTYPE and topk_idx.device == c.device
             and topk_idx.dim() == 2 and topk_idx.is_contiguous() and 1 <= topk_idx.shape[1] <= MAX_TOPK):
         if c.framework is None:
@@ -287,6 +304,89 @@ def normal_handle(c: Call, handle, internode: bool, owner=None) -> tuple:
     return items
 
 
+def is_owned(handle, owner) -> bool:
+    """The handle object one of this Buffer's calls returned (its routing needs no check)."""
+    return type(handle) is Handle and handle.owner is owner
+
+
+def handle_routing(c: Call, items: tuple, internode: bool, rank: int, num_local_ranks: int) -> None:
+    """Full check of a normal-mode handle that is not one this Buffer returned (a rebuilt tuple):
+    its routing must be consistent with its counts and ranges, in the layout both backends share
+    (the backend-specific elements are checked by shape and the totals they must hold). Reads GPU
+    tensors back to the host: this is the slow path of a rebuilt handle only."""
+    host = [v.cpu() if isinstance(v, _Tensor) else v for v in items]
+    r = c.num_ranks
+
+    def bad(element: str, why: str):
+        raise c.error("handle", f"is not a consistent dispatch handle: {element} {why}")
+
+    if internode:
+        in_rank, sent_per_rank, recv_prefix, src_meta = host[0], host[2], host[6], host[7]
+        send_node_head, send_rank_head = host[8], host[9]
+        c.tensor("handle[0] (is_token_in_rank)", items[0], BOOL, (None, r), "[num_tokens, num_ranks]")
+        n, nodes = in_rank.shape[0], r // num_local_ranks
+        if tuple(send_rank_head.shape) != (n, r) or tuple(send_node_head.shape) != (n, nodes):
+            bad("handle[8] / handle[9] (send heads)", f"must have shapes [{n}, {nodes}] and [{n}, {r}], got "
+                f"{list(send_node_head.shape)} and {list(send_rank_head.shape)}")
+        in_node = in_rank.view(n, nodes, num_local_ranks).any(-1)
+        if not torch.equal(send_node_head >= 0, in_node):
+            bad("handle[8] (send_rdma_head)", "is not >= 0 exactly where handle[0] sends to the node")
+        sent = in_rank.sum(0, dtype=torch.int32)
+        if sent_per_rank.numel() < r or not torch.equal(sent_per_rank.flatten()[:r].int(), sent):
+            bad("handle[2] (gbl_channel_prefix_matrix)", f"must start with the tokens handle[0] sends to each "
+                f"rank, {sent.tolist()}, got {sent_per_rank.flatten()[:r].tolist()}")
+        received = torch.diff(recv_prefix.long(), prepend=recv_prefix.new_zeros(1).long())
+        rows_meta = src_meta[:, 1] if src_meta.dim() == 2 and src_meta.shape[1] >= 2 else None
+        if rows_meta is None:
+            bad("handle[7] (recv_src_meta)", f"must be [num_recv_tokens, >= 2], got {list(src_meta.shape)}")
+        _check_received_rows(bad, "handle[6] (recv_gbl_rank_prefix_sum)", "handle[7] (recv_src_meta)",
+                             received, rows_meta, src_meta[:, 0])
+    else:
+        prefix, channel, recv_channel, recv_src, in_rank, send_head = host
+        n = in_rank.shape[0]
+        if (prefix < 0).any() or (prefix.diff(dim=0) < 0).any():
+            bad("handle[0] (rank_prefix_matrix)", "must be non-negative and non-decreasing down each column")
+        sent = in_rank.sum(0, dtype=torch.int32)
+        mine = prefix[rank] - (prefix[rank - 1] if rank else 0)
+        if not torch.equal(mine, sent):
+            bad("handle[4] (is_token_in_rank)", f"sends {sent.tolist()} tokens to the ranks, handle[0] "
+                f"(rank_prefix_matrix) says this rank sends {mine.tolist()}")
+        for index, name, table in ((1, "channel_prefix_matrix", channel),
+                                   (2, "recv_channel_prefix_matrix", recv_channel)):
+            if not isinstance(table, _Tensor) or table.dim() != 2 or table.shape[0] != r:
+                bad(f"handle[{index}] ({name})", f"must be [num_ranks={r}, channels]")
+        if not torch.equal(channel[:, -1].int(), sent):
+            bad("handle[1] (channel_prefix_matrix)", f"must end with the tokens sent to each rank, {sent.tolist()}")
+        if not isinstance(send_head, _Tensor) or tuple(send_head.shape) != (n, r):
+            bad("handle[5] (send_head)", f"must be [{n}, {r}]")
+        if not torch.equal(send_head >= 0, in_rank):
+            bad("handle[5] (send_head)", "is not >= 0 exactly where handle[4] sends the token")
+        received = torch.diff(prefix[:, rank].long(), prepend=prefix.new_zeros(1).long())
+        _check_received_rows(bad, "handle[0] (rank_prefix_matrix)", "handle[3] (recv_src_idx)", received,
+                             recv_src, None)
+
+
+def _check_received_rows(bad, counts_name: str, rows_name: str, received, src_token, src_rank) -> None:
+    """The received rows: per-source counts >= 0, then as many valid rows (token ids >= 0, increasing
+    within each source's block, the block's source rank where the handle stores it), then padding (-1)."""
+    if (received < 0).any():
+        bad(counts_name, f"gives negative row counts per source {received.tolist()}")
+    valid = int(received.sum())
+    if src_token.shape[0] < valid:
+        bad(rows_name, f"has {src_token.shape[0]} rows, the counts of {counts_name} need {valid}")
+    if (src_token[valid:] != -1).any() or (src_rank is not None and (src_rank[valid:] != -1).any()):
+        bad(rows_name, f"must be -1 on the padding rows past the {valid} received")
+    begin = 0
+    for source, count in enumerate(received.tolist()):
+        block = src_token[begin:begin + count].long()
+        if (block < 0).any() or (block.diff() <= 0).any():
+            bad(rows_name, f"rows {begin}..{begin + count - 1} (from rank {source}) must hold increasing "
+                           f"token indices >= 0")
+        if src_rank is not None and (src_rank[begin:begin + count] != source).any():
+            bad(rows_name, f"rows {begin}..{begin + count - 1} must name source rank {source}")
+        begin += count
+
+
 def _all_torch_or_plain(items) -> bool:
     """No element needs a DLPack conversion (torch tensors, ints, None, ...)."""
     for v in items:
@@ -303,7 +403,7 @@ def dispatch_args(c: Call, internode: bool, num_local_ranks: int, x, handle, num
     x, x_scales = dispatch_x(c, x)
     n = x.shape[0]
     expert_alignment = c.integer("expert_alignment", expert_alignment, minimum=1)
-    num_worst_tokens = c.integer("num_worst_tokens", num_worst_tokens, minimum=0)
+    num_worst_tokens = c.bounded("num_worst_tokens", num_worst_tokens, minimum=0)
     if handle is not None:
         if topk_idx is not None or topk_weights is not None:
             raise c.error("topk_idx", "and topk_weights must be None when a cached handle is given (the "
@@ -391,8 +491,8 @@ def exclusive_hook(c: Call, async_finish, return_recv_hook) -> Tuple[bool, bool]
 
 def ll_shape(c: Call, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> Tuple[int, int, int]:
     """(T, H, E) of a low-latency call, as clean_low_latency_buffer and handles carry them."""
-    t = c.integer("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-    h = c.integer("hidden", hidden, minimum=1)
+    t = c.bounded("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+    h = c.bounded("hidden", hidden, minimum=1)
     if h % 8:
         raise c.error("hidden", f"must be a multiple of 8, got {h}")
     return t, h, c.num_experts("num_experts", num_experts)
@@ -406,9 +506,9 @@ def ll_dispatch_args(c: Call, max_topk: int, x, topk_idx, num_max_dispatch_token
     # Scalars: plain ints and bools pass inline checks (the low-latency host budget is tight);
     # anything else goes through the general checks, which convert or raise.
     t, e = num_max_dispatch_tokens_per_rank, num_experts
-    if type(t) is not int or t < 1:
-        t = c.integer("num_max_dispatch_tokens_per_rank", t, minimum=1)
-    if type(e) is not int or e < 1 or e % r:
+    if type(t) is not int or t < 1 or t > INT32_MAX:
+        t = c.bounded("num_max_dispatch_tokens_per_rank", t, minimum=1)
+    if type(e) is not int or e < 1 or e % r or e > INT32_MAX:
         e = c.num_experts("num_experts", e)
     if not (type(use_fp8) is bool and type(round_scale) is bool and type(use_ue8m0) is bool):
         use_fp8, round_scale, use_ue8m0 = (c.flag("use_fp8", use_fp8), c.flag("round_scale", round_scale),

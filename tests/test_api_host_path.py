@@ -102,17 +102,21 @@ def test_synchronous_calls_run_no_torch_operator_of_their_own(instant):
     lay = backend.layout
     config = Config(8)
     bias, out = meta(N, H, dtype=torch.bfloat16), meta(N, H, dtype=torch.bfloat16)
+    # the handles as calls return them (a rebuilt tuple takes the full check, with torch operators)
+    handle = buf.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                          topk_idx=topk_idx, topk_weights=weights)[4]
+    ll_handle = buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)[2]
     calls = {
         "get_dispatch_layout": lambda: buf.get_dispatch_layout(topk_idx, E),
         "dispatch": lambda: buf.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
                                          num_tokens_per_expert=lay[2], topk_idx=topk_idx, topk_weights=weights,
                                          config=config),
-        "cached dispatch": lambda: buf.dispatch(x, handle=backend.handle),
-        "combine": lambda: buf.combine(backend.dispatched.recv_x, backend.handle, backend.dispatched.recv_topk_weights,
+        "cached dispatch": lambda: buf.dispatch(x, handle=handle),
+        "combine": lambda: buf.combine(backend.dispatched.recv_x, handle, backend.dispatched.recv_topk_weights,
                                        bias=(bias, None)),
         "low_latency_dispatch": lambda: buf.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False),
         "low_latency_combine": lambda: buf.low_latency_combine(backend.ll_dispatched.recv_x, topk_idx, weights,
-                                                               backend.ll_handle, out=out),
+                                                               ll_handle, out=out),
     }
     for name, call in calls.items():
         call()                                   # first call: one-time checks (e.g. the RDMA size)
@@ -180,15 +184,19 @@ def test_returned_handles_come_back_unchecked_only_to_their_buffer(instant, monk
     lay = backend.layout
     *_, handle, _ = buf.dispatch(x, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
                                  num_tokens_per_expert=lay[2], topk_idx=topk_idx, topk_weights=weights)
-    checked = []
+    checked, routed = [], []
     real_tensor = validate.Call.tensor
     monkeypatch.setattr(validate.Call, "tensor", lambda c, name, *a, **k: checked.append(name) or real_tensor(c, name, *a, **k))
+    # the routing check reads values, which meta tensors lack: recorded here, tested on the CPU backend
+    # (tests/test_failure_semantics.py)
+    monkeypatch.setattr(validate, "handle_routing", lambda c, items, *a: routed.append(items))
     backend.calls.clear()
     buf.combine(backend.dispatched.recv_x, handle)
-    assert backend.calls[1][2] is handle and not [n for n in checked if n.startswith("handle")]
+    assert backend.calls[1][2] is handle and not [n for n in checked if n.startswith("handle")] and not routed
     buf.combine(backend.dispatched.recv_x, tuple(handle))          # a copy: checked
     assert [n for n in checked if n.startswith("handle")] == ["handle[0] (rank_prefix_matrix)", "handle[3] (recv_src_idx)",
                                                              "handle[4] (is_token_in_rank)"]
+    assert len(routed) == 1 and routed[0] == tuple(handle)
     other, _ = _other_buffer(monkeypatch)
     bad = validate.owned_handle((meta(3, 3, dtype=torch.int32),) + tuple(handle[1:]), other._handle_owner)
     with pytest.raises(ValueError, match="handle\\[0\\] \\(rank_prefix_matrix\\) must have shape"):

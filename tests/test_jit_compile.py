@@ -237,6 +237,12 @@ def test_layout_params_mirror_matches_cpp():
     compiler.check_params_layout("layout.cu", "epcomm::LayoutParams", LayoutParams)
 
 
+def test_poison_params_mirror_matches_cpp():
+    from epcomm.ops.poison import PoisonParams, PoisonTarget
+    compiler.check_params_layout("poison.cu", "epcomm::PoisonTarget", PoisonTarget)
+    compiler.check_params_layout("poison.cu", "epcomm::PoisonParams", PoisonParams)
+
+
 def test_params_check_catches_a_drifted_mirror():
     import ctypes
 

@@ -17,14 +17,14 @@ NVL_BYTES = 1 << 20
 
 
 def expect(call, exc, *words):
-    """call() must raise exc whose message contains every word."""
+    """call() must raise exc whose message contains every word; -> the exception."""
     try:
         call()
     except Exception as e:  # checked below, so a wrong type fails with its message
         assert isinstance(e, exc), f"expected {exc.__name__} naming {words}, got {type(e).__name__}: {e}"
         for word in words:
             assert word in str(e), f"{exc.__name__} message should name {word!r}: {e}"
-        return
+        return e
     raise AssertionError(f"expected {exc.__name__} naming {words}, nothing was raised")
 
 

@@ -16,6 +16,7 @@ OPS_MODULES = (
     "epcomm.ops.intranode",
     "epcomm.ops.internode",
     "epcomm.ops.low_latency",
+    "epcomm.ops.poison",
 )
 
 

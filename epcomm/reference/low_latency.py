@@ -18,11 +18,9 @@ rank by itself (a gloo collective has no per-peer timeout); use low_latency_upda
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..backend import LowLatencyDispatchResult
 from . import oracle
-from .exchange import all_gather_rows
 
 
 def _received_already():
@@ -37,22 +35,25 @@ class LowLatencyState:
         self.buffer_index = 0              # which of the two buffer sets the next call uses
         self.combine_buffers = [None, None]
 
-    def _gather(self, tensor, what):
-        return all_gather_rows(self.backend.group, tensor, what)
+    def _gather(self, tensor, op, what):
+        return self.backend.exchange.gather_rows(tensor, op, what)
 
-    def _rank_masks(self):
+    def _rank_masks(self, op):
         if not self.enable_shrink:
             return None
-        return [m[0] for m in self._gather(self.mask.reshape(1, -1), "mask buffer")]
+        return [m[0] for m in self._gather(self.mask.reshape(1, -1), op, "mask buffer")]
 
     def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                  cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
                  round_scale, use_ue8m0, return_recv_hook) -> LowLatencyDispatchResult:
-        backend = self.backend
-        result = oracle.low_latency_dispatch(
-            self._gather(x, "x"), self._gather(topk_idx, "topk_idx"),
+        backend, op = self.backend, "Buffer.low_latency_dispatch"
+        facts = (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                 ("hidden", x.shape[1]), ("num_experts", num_experts), ("num_topk", topk_idx.shape[1]),
+                 ("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0))
+        result = backend.collective(op, facts, lambda: oracle.low_latency_dispatch(
+            self._gather(x, op, "x"), self._gather(topk_idx, op, "topk_idx"),
             num_max_dispatch_tokens_per_rank, num_experts, backend.rank, use_fp8=use_fp8,
-            round_scale=round_scale, use_ue8m0=use_ue8m0, rank_masks=self._rank_masks())
+            round_scale=round_scale, use_ue8m0=use_ue8m0, rank_masks=self._rank_masks(op)))
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += result["recv_count"].to(
                 cumulative_local_expert_recv_stats.dtype)
@@ -69,13 +70,20 @@ class LowLatencyState:
             raise NotImplementedError("low_latency_combine(use_logfmt=True): the LogFMT "
                                       "compressed payload is not implemented by the CPU "
                                       "reference backend")
-        backend = self.backend
-        src_info, layout_range, _, _, num_experts = handle
+        backend, op = self.backend, "Buffer.low_latency_combine"
+        src_info, layout_range, tokens_per_rank, hidden, num_experts = handle
         source = self.next_combine_buffer(handle) if zero_copy else x
-        meta, data = oracle.ll_valid_rows(source, src_info, layout_range)
-        metas, datas = self._gather(meta, "combine row ids"), self._gather(data, "x")
-        combined = oracle.ll_combine_rows(list(zip(metas, datas)), topk_idx, topk_weights,
-                                          backend.rank, num_experts, self._rank_masks())
+        facts = (("num_max_dispatch_tokens_per_rank (of the handle)", tokens_per_rank),
+                 ("hidden", hidden), ("num_experts (of the handle)", num_experts),
+                 ("num_topk", topk_idx.shape[1]))
+
+        def compute():
+            meta, data = oracle.ll_valid_rows(source, src_info, layout_range)
+            metas, datas = self._gather(meta, op, "combine row ids"), self._gather(data, op, "x")
+            return oracle.ll_combine_rows(list(zip(metas, datas)), topk_idx, topk_weights,
+                                          backend.rank, num_experts, self._rank_masks(op))
+
+        combined = backend.collective(op, facts, compute)
         if out is not None:
             out.copy_(combined)
             combined = out
@@ -93,12 +101,14 @@ class LowLatencyState:
             self.combine_buffers[self.buffer_index] = buffer
         return buffer
 
-    def clean(self):
+    def clean(self, tokens_per_rank, hidden, num_experts):
         """Zero both buffer sets; collective, like the GPU's (it barriers the group)."""
+        facts = (("num_max_dispatch_tokens_per_rank", tokens_per_rank), ("hidden", hidden),
+                 ("num_experts", num_experts))
+        self.backend.collective("Buffer.clean_low_latency_buffer", facts, lambda: None)
         for buffer in self.combine_buffers:
             if buffer is not None:
                 buffer.zero_()
-        dist.barrier(group=self.backend.group)
 
     # ---- masking (enable_shrink) -------------------------------------------------------------
     def _require_shrink(self, what: str):

@@ -345,6 +345,10 @@ def ll_combine_rows(rows, topk_idx, topk_weights, rank, num_experts, rank_masks=
     for d, (meta, data) in enumerate(rows):
         mine = meta[:, 1] == rank
         meta, data = meta[mine], data[mine]
+        if len(meta) and int(meta[:, 2].max()) >= num_tokens:
+            raise ValueError(f"low_latency_combine: topk_idx has {num_tokens} rows, but rank {d} holds "
+                             f"rows of token {int(meta[:, 2].max())} of rank {rank}: pass the topk_idx "
+                             f"(all its rows) of the dispatch whose handle this is")
         slot[d * num_local_experts + meta[:, 0], meta[:, 2]] = offset + torch.arange(len(meta))
         table.append(data.float())
         offset += len(meta)

@@ -1,0 +1,106 @@
+"""Outputs of a failed GPU call cannot pass for data (cuda_src/poison.cu).
+
+After the kernels of every dispatch / combine (and after a recv hook's receive kernel) one more
+launch goes on the same stream: if the Buffer's ErrorRecord holds a failure (a wait ran out, a
+device check failed), it overwrites the call's outputs: NaN in floating-point outputs (bf16, f32,
+fp8 e4m3: the pattern 0x7f is its NaN), -1 in integer ones (recv_count, recv_topk_idx, packed
+UE8M0 scales, whose 0xff bytes are UE8M0's NaN). No valid call produces a NaN from finite inputs
+or a count of -1. The host learns of the failure only at its next look at the record (the next
+Buffer call, check_errors, an event wait or hook), and by then the caller may already have queued
+work reading the outputs: a fill ordered on the stream is the one that reaches every consumer.
+
+Cost on success: one launch on the host (the Params are prebuilt per target count; a few ctypes
+field writes and cuLaunchKernel) and, on the GPU, one block that reads one int of host memory.
+Handle tensors are not touched: a later combine with them must stay within bounds.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Dict, Optional
+
+import torch
+
+from ..runtime.compiler import KernelSource
+from ..runtime.module import get_kernel
+from ..streams import current_stream_handle as _stream
+
+THREADS = 1024
+MAX_TARGETS = 6
+_NAN_BF16, _NAN_F32, _NAN_FP8, _MINUS_ONE = 0x7FC07FC0, 0x7FC00000, 0x7F7F7F7F, 0xFFFFFFFF
+_PATTERNS: Dict[torch.dtype, int] = {
+    torch.bfloat16: _NAN_BF16, torch.float32: _NAN_F32, torch.float8_e4m3fn: _NAN_FP8,
+    torch.int32: _MINUS_ONE, torch.int64: _MINUS_ONE,
+}
+
+
+class PoisonTarget(ctypes.Structure):
+    """Mirror of epcomm::PoisonTarget (cuda_src/poison.cu)."""
+    _fields_ = [("data", ctypes.c_void_p), ("bytes", ctypes.c_ulonglong), ("pattern", ctypes.c_uint),
+                ("reserved", ctypes.c_uint)]
+
+
+class PoisonParams(ctypes.Structure):
+    """Mirror of epcomm::PoisonParams (cuda_src/poison.cu)."""
+    _fields_ = [("err", ctypes.c_void_p), ("num_targets", ctypes.c_int), ("reserved", ctypes.c_int),
+                ("targets", PoisonTarget * MAX_TARGETS)]
+
+
+assert ctypes.sizeof(PoisonParams) == 160, "PoisonParams must match cuda_src/poison.cu"
+
+
+def poison_source() -> KernelSource:
+    return KernelSource("poison.cu", (f"epcomm::poison_kernel<{THREADS}>",))
+
+
+def representative_sources():
+    """For `python -m epcomm.jit --precompile`: the one specialisation there is."""
+    return [poison_source()]
+
+
+def pattern(dtype: torch.dtype) -> int:
+    """The 4 bytes (as they lie in memory) that mark a failed output of `dtype`."""
+    try:
+        return _PATTERNS[dtype]
+    except KeyError:
+        raise ValueError(f"no failure pattern for outputs of dtype {dtype}") from None
+
+
+class Poison:
+    """The poison launch of one GpuBackend (its error record, its device). Params are built once
+    per set of outputs (data pointer, bytes, dtype) and kept: low-latency calls cycle through two
+    pooled output sets, so their launches reuse a prebuilt struct."""
+
+    _CACHE_LIMIT = 64
+
+    def __init__(self, gb):
+        self._device_index = gb.device_index
+        self._kernel = get_kernel(poison_source(), 0, gb.device_index, gb.arch.feature)
+        self._err = gb.status.device_ptr
+        self._params: Dict[tuple, Optional[PoisonParams]] = {}
+
+    def after(self, *outputs: Optional[torch.Tensor]) -> None:
+        """Queue the fill of `outputs` (None entries skipped) on the current stream, for a failure."""
+        key = tuple([None if t is None else (t.data_ptr(), t.nbytes, t.dtype) for t in outputs])
+        p = self._params.get(key, False)
+        if p is False:
+            p = self._build(outputs, key)
+        if p is not None:
+            self._kernel.launch((1, 1, 1), (THREADS, 1, 1), p, _stream(self._device_index))
+
+    def _build(self, outputs, key) -> Optional[PoisonParams]:
+        targets = [t for t in outputs if t is not None and t.numel()]
+        if len(targets) > MAX_TARGETS:
+            raise ValueError(f"poison: at most {MAX_TARGETS} outputs per call, got {len(targets)}")
+        p = None
+        if targets:
+            p = PoisonParams()
+            p.err, p.num_targets = self._err, len(targets)
+            for slot, t in zip(p.targets, targets):
+                if not t.is_contiguous() and 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) != t.numel():
+                    raise ValueError(f"poison: an output of shape {list(t.shape)} with strides {t.stride()} does "
+                                     f"not cover one dense block of memory")
+                slot.data, slot.bytes, slot.pattern = t.data_ptr(), t.nbytes, pattern(t.dtype)
+        if len(self._params) >= self._CACHE_LIMIT:
+            self._params.clear()
+        self._params[key] = p
+        return p

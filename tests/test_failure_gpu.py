@@ -1,0 +1,252 @@
+"""No silent failure on the GPU (marker gpu, collective, any R >= 2; run with make test-gpu).
+
+The last rank skips a call; on every other rank the call's waits run out after EPCOMM_TIMEOUT_S:
+  * the call's outputs read NaN (floating point) and -1 (counts, top-k ids) once the stream got
+    past it, whatever the caller queued after it (ops/poison.py);
+  * PeerTimeout (op, rank, peer = the skipper) comes from Buffer.check_errors, the next call, an
+    event wait, or, with EPCOMM_SYNC_CALLS=1, the call itself; BufferUnusable afterwards.
+Each test prints the seconds from the call to the raise on each waiting rank (for the run's notes).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.conftest import on_all_ranks
+
+pytestmark = pytest.mark.gpu
+
+TIMEOUT_S = 3.0
+HIDDEN = 1024
+
+
+def _skipper(dist_env) -> int:
+    if dist_env.world_size < 2:
+        pytest.skip("needs 2 or more ranks")
+    return dist_env.world_size - 1
+
+
+def _shape(dist_env):
+    """(N, E, K) from R: 4 experts per rank, top-k up to 8."""
+    experts = 4 * dist_env.world_size
+    return 128, experts, min(8, experts)
+
+
+def _inputs(dist_env, seed: int):
+    n, experts, k = _shape(dist_env)
+    g = torch.Generator(device="cpu").manual_seed(seed * 1000 + dist_env.rank)
+    x = torch.randn(n, HIDDEN, generator=g).bfloat16().to(dist_env.device)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)]).to(dist_env.device)
+    weights = torch.rand(n, k, generator=g).to(dist_env.device)
+    return x, idx, weights
+
+
+def _buffer(dist_env, low_latency: bool, sync_calls: bool = False):
+    import epcomm
+    n, experts, _ = _shape(dist_env)
+    world = dist_env.world_size
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EPCOMM_TIMEOUT_S", str(TIMEOUT_S))
+        if sync_calls:
+            patch.setenv("EPCOMM_SYNC_CALLS", "1")
+        if low_latency:
+            rdma = epcomm.Buffer.get_low_latency_rdma_size_hint(n, HIDDEN, world, experts)
+            return epcomm.Buffer(dist_env.group, num_rdma_bytes=rdma, low_latency_mode=True, explicitly_destroy=True)
+        nvl = epcomm.Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(HIDDEN * 2, world)
+        return epcomm.Buffer(dist_env.group, num_nvl_bytes=nvl, explicitly_destroy=True)
+
+
+def _dispatch(buf, dist_env, inputs, async_finish: bool = False):
+    """Intranode dispatch with num_worst_tokens (no host read of the counts: nothing syncs)."""
+    x, idx, weights = inputs
+    n, experts, _ = _shape(dist_env)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=idx, topk_weights=weights, num_worst_tokens=n * dist_env.world_size,
+                        async_finish=async_finish)
+
+
+def _ll_dispatch(buf, dist_env, inputs, return_recv_hook: bool = False):
+    x, idx, _ = inputs
+    n, experts, _ = _shape(dist_env)
+    return buf.low_latency_dispatch(x, idx, n, experts, use_fp8=False, return_recv_hook=return_recv_hook)
+
+
+def _release(dist_env, buf) -> None:
+    """Every rank is alive and its kernels finished: teardown may be collective after the failure."""
+    torch.cuda.synchronize()
+    buf._backend.nvshmem.peer_failed = False
+    _destroy(dist_env, buf)
+
+
+def _destroy(dist_env, buf) -> None:
+    torch.cuda.synchronize()
+    dist_env.barrier()
+    buf.destroy()
+
+
+def _warm(dist_env, buf, low_latency: bool) -> None:
+    """One valid call on every rank (kernels built, peers in step), then meet."""
+    inputs = _inputs(dist_env, seed=1)
+    if low_latency:
+        recv, _, handle, _, _ = _ll_dispatch(buf, dist_env, inputs)
+        buf.low_latency_combine(recv, inputs[1], inputs[2], handle)
+    else:
+        recv_x, _, _, _, handle, _ = _dispatch(buf, dist_env, inputs)
+        buf.combine(recv_x, handle)
+    torch.cuda.synchronize()
+    buf.check_errors()
+    dist_env.barrier()
+
+
+def _all_nan(t: torch.Tensor) -> bool:
+    return t.numel() > 0 and bool(torch.isnan(t.float()).all())
+
+
+def _after_skip(dist_env, skipper, waiting_rank_check) -> None:
+    """waiting_rank_check() on every rank but the skipper, failing on all ranks together."""
+    def check():
+        if dist_env.rank != skipper:
+            waiting_rank_check()
+    on_all_ranks(dist_env, check)
+
+
+def _expect_timeout(dist_env, skipper, raiser, began: float, op_word: str) -> None:
+    from epcomm.errors import PeerTimeout
+    with pytest.raises(PeerTimeout) as caught:
+        raiser()
+    seconds, error = time.monotonic() - began, caught.value
+    print(f"rank {dist_env.rank}: PeerTimeout {seconds:.2f} s after the call (EPCOMM_TIMEOUT_S={TIMEOUT_S:g}): "
+          f"{error}")
+    assert error.rank == dist_env.rank and error.peer == skipper and op_word in error.op, repr(error)
+    assert seconds <= TIMEOUT_S + 1.0 + 2.0, f"PeerTimeout {seconds:.1f} s after the call"
+
+
+@pytest.mark.parametrize("low_latency", [False, True], ids=["intranode", "low_latency"])
+def test_skipped_call_poisons_outputs_and_raises(dist_env, low_latency):
+    from epcomm.errors import BufferUnusable
+    skipper = _skipper(dist_env)
+    buf = _buffer(dist_env, low_latency)
+    _warm(dist_env, buf, low_latency)
+    inputs = _inputs(dist_env, seed=2)
+
+    def waiting_rank():
+        began = time.monotonic()
+        if low_latency:
+            recv_x, recv_count, _, _, _ = _ll_dispatch(buf, dist_env, inputs)
+            torch.cuda.synchronize()
+            assert _all_nan(recv_x), "recv_x of a timed-out low-latency dispatch is not all NaN"
+            assert bool((recv_count == -1).all()), f"recv_count {recv_count.tolist()} (want -1 everywhere)"
+        else:
+            recv_x, recv_idx, recv_weights, _, _, _ = _dispatch(buf, dist_env, inputs)
+            torch.cuda.synchronize()
+            assert _all_nan(recv_x) and _all_nan(recv_weights), "outputs of a timed-out dispatch are not all NaN"
+            assert bool((recv_idx == -1).all()), "recv_topk_idx of a timed-out dispatch is not all -1"
+        _expect_timeout(dist_env, skipper, buf.check_errors, began, "dispatch")
+        with pytest.raises(BufferUnusable):
+            buf.get_dispatch_layout(inputs[1], _shape(dist_env)[1])
+    _after_skip(dist_env, skipper, waiting_rank)
+    _release(dist_env, buf)
+
+
+def test_sync_calls_raise_at_the_call(dist_env):
+    """EPCOMM_SYNC_CALLS=1: the timed-out call raises PeerTimeout itself."""
+    skipper = _skipper(dist_env)
+    buf = _buffer(dist_env, low_latency=False, sync_calls=True)
+    _warm(dist_env, buf, low_latency=False)
+    inputs = _inputs(dist_env, seed=3)
+    _after_skip(dist_env, skipper,
+                lambda: _expect_timeout(dist_env, skipper, lambda: _dispatch(buf, dist_env, inputs),
+                                        time.monotonic(), "dispatch"))
+    _release(dist_env, buf)
+
+
+@pytest.mark.parametrize("path", ["event", "hook"])
+def test_event_and_hook_paths_raise(dist_env, path):
+    """An async call's event, or a low-latency recv hook, reports the failure like a call."""
+    skipper = _skipper(dist_env)
+    low_latency = path == "hook"
+    buf = _buffer(dist_env, low_latency)
+    _warm(dist_env, buf, low_latency)
+    inputs = _inputs(dist_env, seed=4)
+
+    def waiting_rank():
+        began = time.monotonic()
+        if path == "event":
+            *_, event = _dispatch(buf, dist_env, inputs, async_finish=True)
+            torch.cuda.synchronize()
+            _expect_timeout(dist_env, skipper, event.current_stream_wait, began, "dispatch")
+        else:
+            recv_x, recv_count, _, _, hook = _ll_dispatch(buf, dist_env, inputs, return_recv_hook=True)
+            hook()    # the receive part's waits run out
+            torch.cuda.synchronize()
+            assert _all_nan(recv_x) and bool((recv_count == -1).all()), "hooked outputs not poisoned"
+            _expect_timeout(dist_env, skipper, buf.check_errors, began, "dispatch")
+    _after_skip(dist_env, skipper, waiting_rank)
+    _release(dist_env, buf)
+
+
+def test_low_latency_mismatched_arguments_raise_on_every_rank(dist_env):
+    """Odd ranks pass twice the experts, or one token fewer per rank as T: ValueError naming the
+    argument on every rank (checked once per argument set), and the Buffer then serves valid calls."""
+    import epcomm
+    if dist_env.world_size < 2:
+        pytest.skip("needs 2 or more ranks")
+    n, experts, k = _shape(dist_env)
+    odd = dist_env.rank % 2 == 1
+    rdma = epcomm.Buffer.get_low_latency_rdma_size_hint(n, HIDDEN, dist_env.world_size, 2 * experts)
+    buf = epcomm.Buffer(dist_env.group, num_rdma_bytes=rdma, low_latency_mode=True, explicitly_destroy=True)
+    x, idx, weights = _inputs(dist_env, seed=6)
+
+    def every_rank_raises():
+        with pytest.raises(ValueError, match="num_experts must be equal on every rank"):
+            buf.low_latency_dispatch(x, idx, n, 2 * experts if odd else experts, use_fp8=False)
+        with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank must be equal on every rank"):
+            buf.low_latency_dispatch(x[:n - 1], idx[:n - 1], n - 1 if odd else n, experts, use_fp8=False)
+        recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, n, experts, use_fp8=False)
+        combined, _, _ = buf.low_latency_combine(recv, idx, weights, handle)
+        expected = x.float() * weights.sum(1, keepdim=True)
+        assert torch.allclose(combined.float(), expected, rtol=2e-2, atol=2e-2)
+    on_all_ranks(dist_env, every_rank_raises)
+    _destroy(dist_env, buf)
+
+
+def test_rebuilt_handle_is_checked_in_full(dist_env):
+    """A copy of a real handle passes the full check and combines like the original; one with
+    is_token_in_rank inverted is rejected before any launch, naming it, on every rank."""
+    buf = _buffer(dist_env, low_latency=False)
+    x, idx, weights = _inputs(dist_env, seed=7)
+
+    def every_rank():
+        recv_x, _, _, _, handle, _ = _dispatch(buf, dist_env, (x, idx, weights))
+        combined, _, _ = buf.combine(recv_x, handle)
+        again, _, _ = buf.combine(recv_x, tuple(handle))
+        assert torch.equal(combined, again), "a faithful copy of the handle combined differently"
+        inverted = list(handle)
+        inverted[4] = ~handle[4]
+        with pytest.raises(ValueError, match="handle is not a consistent dispatch handle"):
+            buf.combine(recv_x, tuple(inverted))
+        torch.cuda.synchronize()
+        buf.check_errors()
+    on_all_ranks(dist_env, every_rank)
+    _destroy(dist_env, buf)
+
+
+def test_valid_calls_are_not_poisoned(dist_env):
+    """The poison launch after every call leaves valid outputs alone (a round trip stays exact)."""
+    buf = _buffer(dist_env, low_latency=False)
+    x, idx, weights = _inputs(dist_env, seed=5)
+
+    def round_trip():
+        recv_x, _, recv_weights, _, handle, _ = _dispatch(buf, dist_env, (x, idx, weights))
+        combined, _, _ = buf.combine(recv_x, handle)
+        torch.cuda.synchronize()
+        buf.check_errors()
+        assert not torch.isnan(recv_x.float()).any() and not torch.isnan(combined.float()).any()
+        _, _, _, in_rank, _ = buf.get_dispatch_layout(idx, _shape(dist_env)[1])
+        expected = x.float() * in_rank.sum(1, keepdim=True)
+        assert torch.allclose(combined.float(), expected, rtol=1e-2, atol=1e-2)
+    on_all_ranks(dist_env, round_trip)
+    _destroy(dist_env, buf)
