@@ -24,7 +24,7 @@ def launches(monkeypatch):
     notify call's inputs (as the GPU would: N max, rank prefix, expert counts of this rank)."""
     calls = []
     monkeypatch.setattr(internode, "_kernel", lambda gb, name: name)
-    monkeypatch.setattr(internode, "_launch", lambda gb, kernel, grid, threads, params:
+    monkeypatch.setattr(internode, "launch_1d", lambda gb, kernel, grid, threads, params:
                         calls.append((kernel, grid, params)))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     return calls
@@ -67,7 +67,7 @@ def dispatch(gb, x, scales=None, handle=None, num_worst_tokens=0, num_tokens=64,
 def answer_counts(monkeypatch, max_tokens, received):
     values = [max_tokens] + [0] * (RANKS * RANKS) + [3] * (EXPERTS // RANKS)
     values[1 + (RANKS - 1) * RANKS + 1] = received   # rank_prefix[R-1][rank 1]
-    monkeypatch.setattr(internode, "_host_ints", lambda gb, ints: values)
+    monkeypatch.setattr(internode, "host_ints", lambda gb, ints: values)
 
 
 def test_fresh_exact_dispatch_fills_params_from_the_handle(launches, monkeypatch):

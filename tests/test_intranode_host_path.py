@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import epcomm
-from epcomm.ops import intranode
+from epcomm.ops import _common, intranode
 from epcomm.ops import intranode_plan as plan
 from epcomm.runtime.arch import Arch
 
@@ -41,7 +41,7 @@ def setup(monkeypatch):
     recorder = _Recorder()
     monkeypatch.setattr(intranode, "_kernel", lambda gb, name, trace: recorder)
     monkeypatch.setattr(intranode, "_prepare", lambda gb, config, what: None)
-    monkeypatch.setattr(intranode, "_stream", lambda device_index: 0)
+    monkeypatch.setattr(_common, "current_stream", lambda device_index: 0)
     nvl = _Nvl()
     gb = type("Gb", (), dict(num_ranks=R, device=torch.device("cpu"), device_index=0, nvl=nvl, rank=1,
                              timeout_ns=123456789, arch=Arch.for_target(90, None, 132),

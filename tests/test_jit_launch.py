@@ -214,7 +214,7 @@ def test_layout_host_path_is_allocations_and_one_launch(fake, monkeypatch):
     kernel = launch.Kernel("layout", "_ZN6epcomm13layout_kernelILi4ELi64ELi4ELi2ExLi16ELi512EEEvNS_12LayoutParamsE",
                            function=0x1000, context=0xC0, device_index=0, num_sms=132)
     monkeypatch.setattr(layout, "_PLANS", {})
-    monkeypatch.setattr(layout, "_current_stream", lambda device_index: 0x77)
+    monkeypatch.setattr(layout, "current_stream", lambda device_index: 0x77)
     for n, ranks, local, blocks in ((100, 4, 2, 1), (4096, 4, 2, 8), (100_000, 4, 4, 132)):
         topk_idx = torch.zeros(n, k, dtype=torch.int64)
         key = (k, e, ranks, local, torch.int64, -1, None, topk_idx.data_ptr() % 16)

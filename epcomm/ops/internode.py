@@ -36,11 +36,9 @@ import torch
 
 from ..backend import DispatchResult
 from ..runtime.compiler import KernelSource
-from ..runtime.module import get_kernel
 from ..runtime.status import register_op
 from . import internode_plan as plan
-# Argument helpers shared with the intranode launcher (same conventions for tensors and launches).
-from .intranode import _INDEX_TYPES, _aligned, _host_ints, _launch, _ptr
+from ._common import INDEX_TYPES, aligned, backend_kernel, host_ints, launch_1d, ptr
 
 DISPATCH_OP = register_op("internode dispatch", plan.PHASES)
 COMBINE_OP = register_op("internode combine", plan.PHASES)
@@ -68,8 +66,7 @@ def kernel_source(name: str) -> KernelSource:
 
 
 def _kernel(gb, name: str):
-    """The kernel for the Buffer's feature set (gb.arch: EPCOMM_ARCH as it was at construction)."""
-    return get_kernel(kernel_source(name), 0, gb.device_index, gb.arch.feature)
+    return backend_kernel(gb, kernel_source(name))
 
 
 # ---- checks ----------------------------------------------------------------------------------
@@ -169,14 +166,14 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         raise RuntimeError(f"{what}: an exact-size dispatch reads the received counts on the host, "
                            f"which a CUDA graph cannot capture; pass num_worst_tokens > 0 (or a "
                            f"cached handle) under capture")
-    x, topk_idx, topk_weights = (_aligned(t) for t in (x, topk_idx, topk_weights))   # scales: scalar loads
+    x, topk_idx, topk_weights = (aligned(t) for t in (x, topk_idx, topk_weights))   # scales: scalar loads
     (num_tokens, hidden), num_scales = x.shape, 0 if x_scales is None else x_scales.shape[1]
     row_bytes = hidden * x.element_size()
 
     if fresh:
         num_local_experts = num_tokens_per_expert.shape[0] // num_ranks
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
-        index_type = _INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
+        index_type = INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
         layout = _dispatch_layout(gb, row_bytes, num_scales, num_topk)
         _check_notify_fits(gb, num_local_experts, what)
         # No capacity check on this rank's N here: the other ranks would launch notify and wait.
@@ -219,12 +216,12 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         recv_topk_weights = torch.empty((num_out_rows, num_topk), dtype=torch.float32, device=device)
 
     params = plan.DispatchParams(
-        x=_ptr(x), x_scales=_ptr(x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+        x=ptr(x), x_scales=ptr(x_scales), topk_idx=ptr(topk_idx), topk_weights=ptr(topk_weights),
         rdma_channel_prefix=handle[1].data_ptr(), recv_rdma_channel_prefix=handle[3].data_ptr(),
-        recv_gbl_rank_prefix_sum=handle[6].data_ptr(), send_rdma_head=_ptr(handle[8]),
-        send_nvl_head=_ptr(handle[9]), recv_x=_ptr(recv_x), recv_x_scales=_ptr(recv_scales),
-        recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
-        recv_src_meta=_ptr(handle[7]) if fresh else 0, max_tokens=_max_tokens_ptr(handle, num_ranks),
+        recv_gbl_rank_prefix_sum=handle[6].data_ptr(), send_rdma_head=ptr(handle[8]),
+        send_nvl_head=ptr(handle[9]), recv_x=ptr(recv_x), recv_x_scales=ptr(recv_scales),
+        recv_topk_idx=ptr(recv_topk_idx), recv_topk_weights=ptr(recv_topk_weights),
+        recv_src_meta=ptr(handle[7]) if fresh else 0, max_tokens=_max_tokens_ptr(handle, num_ranks),
         peer_bases=_peer_bases(gb), err=gb.status.device_ptr,
         scale_stride_token=x_scales.stride(0) if x_scales is not None else 0,
         scale_stride_group=x_scales.stride(1) if x_scales is not None else 0,
@@ -233,7 +230,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         num_chunks=chunks, tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
         num_topk=num_topk, num_local_experts=num_local_experts, num_out_rows=num_out_rows,
         rank=gb.rank, op=DISPATCH_OP)
-    _launch(gb, kernel, config.num_sms, plan.THREADS, params)
+    launch_1d(gb, kernel, config.num_sms, plan.THREADS, params)
 
     if not fresh:
         return DispatchResult(recv_x, recv_scales, None, None, None, None)
@@ -259,14 +256,14 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
                send_nvl_head=ints(num_tokens, num_ranks))
     area, stage, _ = plan.notify_offsets(num_ranks, num_nodes)
     params = plan.NotifyParams(
-        is_token_in_rank=_ptr(is_token_in_rank), num_tokens_per_expert=_ptr(num_tokens_per_expert),
+        is_token_in_rank=ptr(is_token_in_rank), num_tokens_per_expert=ptr(num_tokens_per_expert),
         peer_bases=_peer_bases(gb), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
         area_offset=area, stage_offset=stage, num_tokens=num_tokens, num_chunks=chunks,
         tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
         num_local_experts=num_local_experts, notify_ints=plan.notify_ints(num_ranks), num_topk=num_topk,
         num_scales=num_scales, row_bytes=row_bytes, rank=gb.rank, op=DISPATCH_OP,
-        **{k: _ptr(v) for k, v in out.items()})
-    _launch(gb, _kernel(gb, plan.notify_kernel(num_ranks, num_local)), 1, plan.NOTIFY_THREADS, params)
+        **{k: ptr(v) for k, v in out.items()})
+    launch_1d(gb, _kernel(gb, plan.notify_kernel(num_ranks, num_local)), 1, plan.NOTIFY_THREADS, params)
     return out
 
 
@@ -275,7 +272,7 @@ def _read_counts(gb, info, num_local_experts, expert_alignment, layout, what):
     of all ranks). Every rank reads the same N max, so the capacity check raises on all ranks alike
     (ranks with different Config.num_sms, num_experts or token formats were recorded by the notify
     kernel: check_errors raises that)."""
-    num_ranks, values = gb.num_ranks, _host_ints(gb, info)
+    num_ranks, values = gb.num_ranks, host_ints(gb, info)
     plan.check_capacity(what, values[0], layout.capacity, gb.rdma.nbytes,
                         f"{layout.record_bytes}-byte records; the largest N of all ranks")
     num_recv = values[1 + (num_ranks - 1) * num_ranks + gb.rank]
@@ -300,8 +297,8 @@ def combine(gb, x, handle, topk_weights, bias, config):
         if b is not None and tuple(b.shape) != (num_tokens, hidden):
             raise ValueError(f"{what}: bias must be [num_tokens, hidden] = [{num_tokens}, {hidden}] (num_tokens "
                              f"= rows of the handle's is_token_in_rank), got {list(b.shape)}")
-    x, topk_weights = _aligned(x.contiguous()), _aligned(topk_weights)
-    bias0, bias1 = (_aligned(b) for b in bias)
+    x, topk_weights = aligned(x.contiguous()), aligned(topk_weights)
+    bias0, bias1 = (aligned(b) for b in bias)
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
     layout = plan.CombineLayout(gb.rdma.nbytes, num_ranks, num_local, hidden * 2)
     # This rank's N alone is no collective-safe check (the others would launch and wait): the
@@ -315,10 +312,10 @@ def combine(gb, x, handle, topk_weights, bias, config):
     combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device) \
         if num_topk else None
     params = plan.CombineParams(
-        x=_ptr(x), topk_weights=_ptr(topk_weights), bias0=_ptr(bias0), bias1=_ptr(bias1),
-        recv_src_meta=_ptr(handle[7]), recv_gbl_rank_prefix_sum=handle[6].data_ptr(),
-        recv_rdma_channel_prefix=handle[3].data_ptr(), send_rdma_head=_ptr(handle[8]),
-        combined_x=_ptr(combined_x), combined_weights=_ptr(combined_weights),
+        x=ptr(x), topk_weights=ptr(topk_weights), bias0=ptr(bias0), bias1=ptr(bias1),
+        recv_src_meta=ptr(handle[7]), recv_gbl_rank_prefix_sum=handle[6].data_ptr(),
+        recv_rdma_channel_prefix=handle[3].data_ptr(), send_rdma_head=ptr(handle[8]),
+        combined_x=ptr(combined_x), combined_weights=ptr(combined_weights),
         max_tokens=_max_tokens_ptr(handle, num_ranks), peer_bases=_peer_bases(gb), err=gb.status.device_ptr,
         timeout_ns=gb.timeout_ns,
         push_offset=layout.push_offset, partial_stage_offset=layout.partial_stage_offset,
@@ -326,5 +323,5 @@ def combine(gb, x, handle, topk_weights, bias, config):
         push_bytes=layout.push_bytes, partial_bytes=layout.partial_bytes,
         chunk_records=layout.chunk_records, num_tokens=num_tokens,
         num_chunks=rdma_channel_prefix.shape[1] - 1, num_topk=num_topk, rank=gb.rank, op=COMBINE_OP)
-    _launch(gb, kernel, config.num_sms, plan.THREADS, params)
+    launch_1d(gb, kernel, config.num_sms, plan.THREADS, params)
     return combined_x, combined_weights

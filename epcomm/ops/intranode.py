@@ -26,11 +26,9 @@ import torch
 from .. import env
 from ..backend import DispatchResult
 from ..runtime.compiler import KernelSource
-from ..runtime.module import get_kernel
 from ..runtime.status import register_op
 from . import intranode_plan as plan
-from ..streams import current_stream_handle as _stream
-from .layout import _INDEX_TYPES
+from ._common import INDEX_TYPES, aligned, backend_kernel, host_ints, launch_1d, ptr
 from .trace import TraceRows
 
 DISPATCH_OP = register_op("intranode dispatch", plan.PHASES)
@@ -59,8 +57,7 @@ def kernel_source(name: str, trace: bool = False) -> KernelSource:
 
 
 def _kernel(gb, name: str, trace: bool):
-    """The kernel for the Buffer's feature set (gb.arch: EPCOMM_ARCH as it was at construction)."""
-    return get_kernel(kernel_source(name, trace), 0, gb.device_index, gb.arch.feature)
+    return backend_kernel(gb, kernel_source(name, trace))
 
 
 # ---- profiling mode (EPCOMM_INTRANODE_TRACE=1) -----------------------------------------------
@@ -161,29 +158,6 @@ def _combine_geometry(gb, config, row_bytes: int, num_topk: int, trace: bool) ->
     return _geometry(gb, config, key, build)
 
 
-def _aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """16-byte aligned rows for vector accesses (a view at an odd offset is copied)."""
-    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()
-
-
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None or t.numel() == 0 else t.data_ptr()
-
-
-def _host_ints(gb, ints: torch.Tensor) -> List[int]:
-    """The values of a device int32 tensor once the stream got there (a GPU failure recorded by
-    then raises first: PeerTimeout / DeviceCheckFailed)."""
-    pinned = torch.empty(ints.shape, dtype=torch.int32, pin_memory=True)
-    pinned.copy_(ints, non_blocking=True)   # queued on gb.device's current stream
-    torch.cuda.current_stream(gb.device_index).synchronize()
-    gb.check_errors()
-    return pinned.tolist()
-
-
-def _launch(gb, kernel, grid: int, threads: int, params) -> None:
-    kernel.launch((grid, 1, 1), (threads, 1, 1), params, _stream(gb.device_index))
-
-
 # ---- dispatch --------------------------------------------------------------------------------
 def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
              is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
@@ -191,14 +165,14 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
     """Backend.dispatch for ranks in one NVLink domain (arguments validated by Buffer)."""
     what = "dispatch"
     num_ranks, device, trace = gb.num_ranks, gb.device, _tracing_on
-    x = _aligned(x)
+    x = aligned(x)
     num_tokens, hidden = x.shape
     row_bytes = hidden * x.element_size()
     num_scales = 0 if x_scales is None else x_scales.shape[1]
     fresh = handle is None
 
     if fresh:
-        topk_idx, topk_weights = _aligned(topk_idx), _aligned(topk_weights)
+        topk_idx, topk_weights = aligned(topk_idx), aligned(topk_weights)
         if num_worst_tokens == 0 and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{what}: an exact-size dispatch reads the received counts on the host, "
                                f"which a CUDA graph cannot capture; pass num_worst_tokens > 0 (or a "
@@ -206,7 +180,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         chunks = plan.num_chunks(config.num_sms, num_ranks)
         num_local_experts = num_tokens_per_expert.shape[0] // num_ranks
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
-        index_type = _INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
+        index_type = INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
         # Checks (ValueError) before anything is launched.
         geometry = _dispatch_geometry(gb, config, row_bytes, num_scales, num_topk, index_type,
                                       num_local_experts, True, trace)
@@ -237,16 +211,16 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
             recv_topk_weights = torch.empty((num_out_rows, num_topk), dtype=torch.float32, device=device)
 
     p = geometry.params
-    p.x, p.x_scales, p.topk_idx, p.topk_weights = _ptr(x), _ptr(x_scales), _ptr(topk_idx), _ptr(topk_weights)
+    p.x, p.x_scales, p.topk_idx, p.topk_weights = ptr(x), ptr(x_scales), ptr(topk_idx), ptr(topk_weights)
     p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
-    p.recv_channel_prefix, p.send_head = recv_channel_prefix.data_ptr(), _ptr(send_head)
-    p.recv_x, p.recv_x_scales, p.recv_src_idx = _ptr(recv_x), _ptr(recv_scales), _ptr(recv_src_idx)
-    p.recv_topk_idx, p.recv_topk_weights = _ptr(recv_topk_idx), _ptr(recv_topk_weights)
+    p.recv_channel_prefix, p.send_head = recv_channel_prefix.data_ptr(), ptr(send_head)
+    p.recv_x, p.recv_x_scales, p.recv_src_idx = ptr(recv_x), ptr(recv_scales), ptr(recv_src_idx)
+    p.recv_topk_idx, p.recv_topk_weights = ptr(recv_topk_idx), ptr(recv_topk_weights)
     p.scale_stride_token, p.scale_stride_group = x_scales.stride() if x_scales is not None else (0, 0)
     p.num_tokens, p.num_chunks, p.tokens_per_chunk = num_tokens, chunks, plan.tokens_per_chunk(num_tokens, chunks)
     p.num_topk, p.num_local_experts, p.num_out_rows = num_topk, num_local_experts, num_out_rows
     p.trace = _TRACE.zeroed(gb.device_index, geometry.blocks) if trace else 0
-    _launch(gb, geometry.kernel, geometry.blocks, plan.THREADS, p)
+    launch_1d(gb, geometry.kernel, geometry.blocks, plan.THREADS, p)
 
     if not fresh:
         return DispatchResult(recv_x, recv_scales, None, None, None, None)
@@ -264,15 +238,15 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
     recv_channel_prefix = torch.empty((num_ranks, chunks + 1), dtype=torch.int32, device=device)
     send_head = torch.empty((num_tokens, num_ranks), dtype=torch.int32, device=device)
     params = plan.NotifyParams(
-        is_token_in_rank=_ptr(is_token_in_rank), num_tokens_per_expert=_ptr(num_tokens_per_expert),
-        info=_ptr(info), channel_prefix=_ptr(channel_prefix),
-        recv_channel_prefix=_ptr(recv_channel_prefix), send_head=_ptr(send_head),
+        is_token_in_rank=ptr(is_token_in_rank), num_tokens_per_expert=ptr(num_tokens_per_expert),
+        info=ptr(info), channel_prefix=ptr(channel_prefix),
+        recv_channel_prefix=ptr(recv_channel_prefix), send_head=ptr(send_head),
         peer_bases=gb.nvl.peer_table.data_ptr(), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
         notify_offset=plan.header_bytes(num_ranks), num_tokens=num_tokens, num_chunks=chunks,
         tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
         num_local_experts=num_local_experts, rank=gb.rank, op=DISPATCH_OP,
         trace=_TRACE.zeroed(gb.device_index, 1) if trace else 0)
-    _launch(gb, _kernel(gb, plan.notify_kernel(num_ranks), trace), 1, plan.NOTIFY_THREADS, params)
+    launch_1d(gb, _kernel(gb, plan.notify_kernel(num_ranks), trace), 1, plan.NOTIFY_THREADS, params)
     rank_prefix = info[:num_ranks * num_ranks].view(num_ranks, num_ranks)
     return rank_prefix, channel_prefix, recv_channel_prefix, send_head, info
 
@@ -282,7 +256,7 @@ def _read_counts(gb, info, chunks, num_local_experts, expert_alignment, geometry
     and N max, so the checks below raise on all ranks alike. (Ranks with different Config.num_sms
     or num_experts were recorded by the notify kernel: check_errors raises that.)"""
     num_ranks = gb.num_ranks
-    values = _host_ints(gb, info)
+    values = host_ints(gb, info)
     rank_prefix = values[:num_ranks * num_ranks]
     experts = values[num_ranks * num_ranks:num_ranks * num_ranks + num_local_experts]
     max_tokens = values[-1]
@@ -303,9 +277,9 @@ def combine(gb, x, handle, topk_weights, bias, config):
     """Backend.combine: unweighted fp32 sum of the rows each token sent out, plus bias."""
     device, trace = gb.device, _tracing_on
     rank_prefix, channel_prefix, recv_channel_prefix, _, is_token_in_rank, send_head = handle
-    x, topk_weights = _aligned(x.contiguous()), _aligned(topk_weights)
+    x, topk_weights = aligned(x.contiguous()), aligned(topk_weights)
     bias0, bias1 = bias
-    bias0, bias1 = _aligned(bias0), _aligned(bias1)
+    bias0, bias1 = aligned(bias0), aligned(bias1)
     num_tokens, hidden = is_token_in_rank.shape[0], x.shape[1]
     chunks = channel_prefix.shape[1] - 1
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
@@ -315,12 +289,12 @@ def combine(gb, x, handle, topk_weights, bias, config):
     combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device) \
         if num_topk else None
     p = geometry.params
-    p.x, p.topk_weights, p.bias0, p.bias1 = _ptr(x), _ptr(topk_weights), _ptr(bias0), _ptr(bias1)
+    p.x, p.topk_weights, p.bias0, p.bias1 = ptr(x), ptr(topk_weights), ptr(bias0), ptr(bias1)
     p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
-    p.recv_channel_prefix, p.send_head = recv_channel_prefix.data_ptr(), _ptr(send_head)
-    p.combined_x, p.combined_weights = _ptr(combined_x), _ptr(combined_weights)
+    p.recv_channel_prefix, p.send_head = recv_channel_prefix.data_ptr(), ptr(send_head)
+    p.combined_x, p.combined_weights = ptr(combined_x), ptr(combined_weights)
     p.num_tokens, p.num_chunks, p.tokens_per_chunk = num_tokens, chunks, plan.tokens_per_chunk(num_tokens, chunks)
     p.num_topk = num_topk
     p.trace = _TRACE.zeroed(gb.device_index, geometry.blocks) if trace else 0
-    _launch(gb, geometry.kernel, geometry.blocks, plan.THREADS, p)
+    launch_1d(gb, geometry.kernel, geometry.blocks, plan.THREADS, p)
     return combined_x, combined_weights

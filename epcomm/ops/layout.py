@@ -16,13 +16,12 @@ import torch
 from ..runtime.arch import device_arch
 from ..runtime.compiler import KernelSource
 from ..runtime.module import get_kernel
-from ..streams import current_stream_handle as _current_stream
+from ._common import INDEX_TYPES, current_stream
 
 THREADS = 512
 # Up to this many tokens one block does everything (no global atomics, plain launch); above it the
 # token range is spread over up to one block per SM (a cooperative launch, see layout.cu).
 SINGLE_BLOCK_TOKENS = THREADS
-_INDEX_TYPES = {torch.int64: "long long", torch.int32: "int"}
 _I32, _BOOL = torch.int32, torch.bool
 
 
@@ -41,7 +40,7 @@ class LayoutParams(ctypes.Structure):
 def layout_source(num_topk: int, num_experts: int, num_ranks: int, num_local_ranks: int,
                   index_dtype: torch.dtype, load_bytes: int) -> KernelSource:
     kernel = (f"epcomm::layout_kernel<{num_topk}, {num_experts}, {num_ranks}, {num_local_ranks}, "
-              f"{_INDEX_TYPES[index_dtype]}, {load_bytes}, {THREADS}>")
+              f"{INDEX_TYPES[index_dtype]}, {load_bytes}, {THREADS}>")
     return KernelSource("layout.cu", (kernel,))
 
 
@@ -83,7 +82,7 @@ _PLANS: Dict[tuple, _Plan] = {}
 
 def _make_plan(key: tuple, topk_idx: torch.Tensor) -> _Plan:
     num_topk, num_experts, num_ranks, num_local_ranks, dtype, device_index, feature, misalign = key
-    if dtype not in _INDEX_TYPES or not topk_idx.is_cuda:
+    if dtype not in INDEX_TYPES or not topk_idx.is_cuda:
         raise ValueError(f"get_dispatch_layout: topk_idx must be a 2-D int64/int32 CUDA tensor, got "
                          f"{dtype} {tuple(topk_idx.shape)} on {topk_idx.device}")
     if num_topk < 1:
@@ -145,9 +144,9 @@ def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     params = LayoutParams(address, per_rank.data_ptr(), 0 if per_node is None else per_node.data_ptr(),
                           per_expert.data_ptr(), in_rank.data_ptr(), num_tokens)
     if num_tokens <= SINGLE_BLOCK_TOKENS:
-        plan.kernel.launch((1, 1, 1), (THREADS, 1, 1), params, _current_stream(device_index), plan.smem)
+        plan.kernel.launch((1, 1, 1), (THREADS, 1, 1), params, current_stream(device_index), plan.smem)
     else:
         blocks = min(-(-num_tokens // THREADS), plan.max_blocks)
-        plan.kernel.launch((blocks, 1, 1), (THREADS, 1, 1), params, _current_stream(device_index),
+        plan.kernel.launch((blocks, 1, 1), (THREADS, 1, 1), params, current_stream(device_index),
                            plan.smem, cooperative=blocks > 1)
     return per_rank, per_node, per_expert, in_rank

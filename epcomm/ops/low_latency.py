@@ -20,14 +20,13 @@ import torch
 from .. import env
 from ..backend import LowLatencyDispatchResult
 from ..runtime.compiler import KernelSource
-from ..streams import current_stream_handle as _stream
+from ._common import INDEX_TYPES, backend_kernel, current_stream, ptr
 from .trace import TraceRows
 from .low_latency_layout import (MAX_TOPK, THREADS, Layout, dispatch_smem_bytes, rdma_size_hint)
 
 __all__ = ["LowLatency", "rdma_size_hint", "representative_sources", "MAX_TOPK"]
 
 SEND, RECV = 1, 2                  # Params.phases
-_INDEX_TYPES = {torch.int64: "long long", torch.int32: "int"}
 _P = ctypes.c_void_p
 
 DISPATCH_PHASES = ["wait for a peer to release the buffer set", "wait for a source's token list",
@@ -75,14 +74,14 @@ def dispatch_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int
     b = lambda v: "true" if v else "false"
     kernel = (f"epcomm::ll::dispatch_kernel<{hidden}, {num_topk}, {num_ranks}, {num_experts}, {num_max_tokens}, "
               f"{b(use_fp8)}, {b(use_fp8 and round_scale)}, {b(use_fp8 and use_ue8m0)}, "
-              f"{_INDEX_TYPES[index_dtype]}, {THREADS}>")
+              f"{INDEX_TYPES[index_dtype]}, {THREADS}>")
     return KernelSource("low_latency.cu", (kernel,), _trace_defines(trace), uses_nvshmem=True)
 
 
 def combine_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int, num_max_tokens: int,
                    index_dtype=torch.int64, trace: bool = False) -> KernelSource:
     kernel = (f"epcomm::ll::combine_kernel<{hidden}, {num_topk}, {num_ranks}, {num_experts}, {num_max_tokens}, "
-              f"{_INDEX_TYPES[index_dtype]}, {THREADS}>")
+              f"{INDEX_TYPES[index_dtype]}, {THREADS}>")
     return KernelSource("low_latency.cu", (kernel,), _trace_defines(trace), uses_nvshmem=True)
 
 
@@ -233,7 +232,7 @@ class LowLatency:
         return s
 
     def _launch(self, plan: _Plan, p, stream: Optional[int] = None) -> None:
-        plan.kernel.launch(self._grid, self._block, p, _stream(self._device_index) if stream is None else stream,
+        plan.kernel.launch(self._grid, self._block, p, current_stream(self._device_index) if stream is None else stream,
                            smem=plan.smem)
 
     def _hooked(self, plan: _Plan, p, keep_alive: tuple):
@@ -251,8 +250,7 @@ class LowLatency:
         return hook
 
     def _kernel(self, src: KernelSource):
-        from ..runtime.module import get_kernel
-        return get_kernel(src, 0, self.gb.device_index, self.gb.arch.feature)
+        return backend_kernel(self.gb, src)
 
     # ---- dispatch ----------------------------------------------------------------------------
     def _dispatch_plan(self, key: tuple) -> _Plan:
@@ -290,7 +288,7 @@ class LowLatency:
                topk_idx.dtype, _tracing_on)
         plan = self._plans.get(key) or self._dispatch_plan(key)
         s = self._set_for_call(plan)
-        p, stream = plan.params[s], _stream(self._device_index)
+        p, stream = plan.params[s], current_stream(self._device_index)
         pool = None if return_recv_hook or _capturing() else plan.outputs[s]
         outputs = pool.take(stream) if pool is not None else None
         if outputs is None:
@@ -307,10 +305,10 @@ class LowLatency:
         recv_x, scales, src_info, layout_range, recv_count = outputs
         del outputs
         p.x, p.topk_idx, p.num_tokens = x.data_ptr(), topk_idx.data_ptr(), N
-        p.recv_x, p.recv_scales = recv_x.data_ptr(), None if scales is None else scales.data_ptr()
+        p.recv_x, p.recv_scales = recv_x.data_ptr(), ptr(scales)
         p.recv_src_info, p.recv_layout_range, p.recv_count = src_info.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr()
-        p.cumulative_recv_stats = _ptr(cumulative_local_expert_recv_stats)
-        p.wait_recv_cost_stats = _ptr(dispatch_wait_recv_cost_stats)
+        p.cumulative_recv_stats = ptr(cumulative_local_expert_recv_stats)
+        p.wait_recv_cost_stats = ptr(dispatch_wait_recv_cost_stats)
         p.trace = _TRACE.zeroed(self._device_index, self._grid[0]) if plan.trace else 0
         hook = None
         if return_recv_hook:
@@ -349,7 +347,7 @@ class LowLatency:
         key = ("combine", T, H, E, K, topk_idx.dtype, _tracing_on)
         plan = self._plans.get(key) or self._combine_plan(key)
         s = self._set_for_call(plan)
-        p, stream = plan.params[s], _stream(self._device_index)
+        p, stream = plan.params[s], current_stream(self._device_index)
         if out is None:
             pool = None if return_recv_hook or _capturing() else plan.outputs[s]
             pooled = pool.take(stream) if pool is not None else None
@@ -364,7 +362,7 @@ class LowLatency:
         p.x = plan.zero_copy_x[s] if zero_copy else x.data_ptr()
         p.src_info, p.layout_range = src_info.data_ptr(), layout_range.data_ptr()
         p.topk_idx, p.topk_weights, p.out, p.num_tokens = topk_idx.data_ptr(), topk_weights.data_ptr(), out.data_ptr(), N
-        p.wait_recv_cost_stats = _ptr(combine_wait_recv_cost_stats)
+        p.wait_recv_cost_stats = ptr(combine_wait_recv_cost_stats)
         p.trace = _TRACE.zeroed(self._device_index, self._grid[0]) if plan.trace else 0
         if return_recv_hook:
             return out, self._hooked(plan, p, (out, topk_idx, topk_weights, combine_wait_recv_cost_stats))
@@ -402,7 +400,3 @@ class LowLatency:
 
     def clean_mask(self) -> None:
         self._mask.zero_()
-
-
-def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-    return None if t is None else t.data_ptr()
