@@ -18,6 +18,7 @@ from .config import (BUFFER_ALIGNMENT_BYTES, Config, align_buffer_bytes,
                      recommended)
 from .errors import BufferUnusable
 from .event import EventOverlap
+from .ops import low_latency_layout
 from .streams import AsyncScope, new_comm_stream, wait_previous
 from .validate import Call
 
@@ -136,7 +137,7 @@ class Buffer:
         self._internode = self._backend.num_ranks > self._backend.num_local_ranks
         self._comm = new_comm_stream(self._device)
         self._comm_stream = None if self._comm is None else self._comm.stream
-        self._low_latency_ops = None   # epcomm.ops.low_latency, imported by the first low-latency call
+        self._low_latency_checked = False   # the mode check passed (see _low_latency)
         self._low_latency_fits = set()   # (T, H, E) whose layout fits num_rdma_bytes
         self._handle_owner = object()   # marks the handles this Buffer returns (validate.Handle)
         self._normal_mode_problem = (
@@ -166,21 +167,18 @@ class Buffer:
         if self._normal_mode_problem is not None:
             raise ValueError(f"{c.op}: {self._normal_mode_problem}")
 
-    def _low_latency(self, c: Call, shape: Optional[Tuple[int, int, int]] = None):
-        """The low-latency ops module, after checking the Buffer's mode (and capacity for (T, H, E))."""
-        ops = self._low_latency_ops
-        if ops is None:
+    def _low_latency(self, c: Call, shape: Optional[Tuple[int, int, int]] = None) -> None:
+        """Check the Buffer's mode (and its capacity for (T, H, E))."""
+        if not self._low_latency_checked:
             c.require(self.low_latency_mode, "needs a Buffer built with low_latency_mode=True")
-            from .ops import low_latency
-            ops = self._low_latency_ops = low_latency
+            self._low_latency_checked = True
         if shape is not None and shape not in self._low_latency_fits:
-            need = int(ops.rdma_size_hint(shape[0], shape[1], self.group_size, shape[2]))
+            need = int(low_latency_layout.rdma_size_hint(shape[0], shape[1], self.group_size, shape[2]))
             c.require(need <= self.num_rdma_bytes,
                       f"num_max_dispatch_tokens_per_rank={shape[0]}, hidden={shape[1]}, num_experts={shape[2]} "
                       f"need num_rdma_bytes >= {need} (Buffer.get_low_latency_rdma_size_hint), this Buffer "
                       f"has {self.num_rdma_bytes}")
             self._low_latency_fits.add(shape)
-        return ops
 
     def _returned_handle(self, c: Call, handle: tuple):
         """A backend's handle as the caller gets it: marked as this Buffer's (validate.Handle), or
@@ -248,8 +246,7 @@ class Buffer:
         c = Call("Buffer.get_low_latency_rdma_size_hint", torch.device("cpu"), 1)
         c.num_ranks = c.integer("num_ranks", num_ranks, minimum=1)
         t, h, e = validate.ll_shape(c, num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        from .ops import low_latency
-        return align_buffer_bytes(int(low_latency.rdma_size_hint(t, h, c.num_ranks, e)))
+        return align_buffer_bytes(int(low_latency_layout.rdma_size_hint(t, h, c.num_ranks, e)))
 
     # ---- buffer memory and lifetime ------------------------------------------------------------
     def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
@@ -436,8 +433,9 @@ class Buffer:
         c = self._begin("Buffer.low_latency_dispatch")
         if async_finish is not False or return_recv_hook is not False:
             async_finish, return_recv_hook = validate.exclusive_hook(c, async_finish, return_recv_hook)
-        low_latency = self._low_latency_ops or self._low_latency(c)
-        args = validate.ll_dispatch_args(c, low_latency.MAX_TOPK, x, topk_idx, num_max_dispatch_tokens_per_rank,
+        if not self._low_latency_checked:
+            self._low_latency(c)
+        args = validate.ll_dispatch_args(c, low_latency_layout.MAX_TOPK, x, topk_idx, num_max_dispatch_tokens_per_rank,
                                          num_experts, cumulative_local_expert_recv_stats,
                                          dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
         shape = (args[2], args[0].shape[1], args[3])
@@ -472,8 +470,9 @@ class Buffer:
         c = self._begin("Buffer.low_latency_combine")
         if async_finish is not False or return_recv_hook is not False:
             async_finish, return_recv_hook = validate.exclusive_hook(c, async_finish, return_recv_hook)
-        low_latency = self._low_latency_ops or self._low_latency(c)
-        args = validate.ll_combine_args(c, low_latency.MAX_TOPK, x, topk_idx, topk_weights, handle, use_logfmt,
+        if not self._low_latency_checked:
+            self._low_latency(c)
+        args = validate.ll_combine_args(c, low_latency_layout.MAX_TOPK, x, topk_idx, topk_weights, handle, use_logfmt,
                                         zero_copy, out, combine_wait_recv_cost_stats, self._handle_owner)
         shape = args[3][2:]
         if shape not in self._low_latency_fits:

@@ -1,7 +1,6 @@
 """Config, EventOverlap, the stream scope on CPU and the Buffer's static helpers (single process)."""
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
@@ -46,11 +45,10 @@ def test_config_rejects(kwargs, exc, words):
 
 
 def test_config_size_hints_delegate(monkeypatch):
-    import epcomm.ops
+    from epcomm.ops import intranode_plan
     calls = []
-    fake = types.SimpleNamespace(nvl_size_hint=lambda config, hb, r: calls.append((config, hb, r)) or 4000)
-    monkeypatch.setattr(epcomm.ops, "intranode", fake, raising=False)
-    monkeypatch.setitem(__import__("sys").modules, "epcomm.ops.intranode", fake)
+    monkeypatch.setattr(intranode_plan, "nvl_size_hint",
+                        lambda config, hb, r: calls.append((config, hb, r)) or 4000)
     config = Config(8)
     assert config.get_nvl_buffer_size_hint(7168 * 2, 4) == 4096   # rounded up to a valid Buffer size
     assert calls == [(config, 7168 * 2, 4)]
@@ -172,10 +170,8 @@ def test_capture_without_cuda_gives_an_empty_event():
 
 # ---- static hints ------------------------------------------------------------------------------
 def test_low_latency_size_hint_validates_then_delegates(monkeypatch):
-    import epcomm.ops
-    fake = types.SimpleNamespace(rdma_size_hint=lambda t, h, r, e: t * h * r * e + 1)
-    monkeypatch.setattr(epcomm.ops, "low_latency", fake, raising=False)
-    monkeypatch.setitem(__import__("sys").modules, "epcomm.ops.low_latency", fake)
+    from epcomm.ops import low_latency_layout
+    monkeypatch.setattr(low_latency_layout, "rdma_size_hint", lambda t, h, r, e: t * h * r * e + 1)
     # rounded up to a multiple of 128, so that it is a valid Buffer size as it is
     assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 288) == 128 * 7168 * 2 * 288 + 128
     for args, exc, words in [((0, 7168, 2, 288), ValueError, "num_max_dispatch_tokens_per_rank must be >= 1"),

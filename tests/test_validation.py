@@ -337,7 +337,7 @@ def test_internode_rejects():
 # ---- low-latency mode ----------------------------------------------------------------------------
 def _low_latency_cases(rank, world, group):
     from epcomm import Buffer
-    from epcomm.ops import low_latency
+    from epcomm.ops import low_latency_layout as low_latency
     t, e, h = 8, E, 512
     rdma = Buffer.get_low_latency_rdma_size_hint(t, h, R, e)
     buf = Buffer(group, 0, rdma, low_latency_mode=True, enable_shrink=True)

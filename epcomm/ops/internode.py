@@ -44,10 +44,6 @@ DISPATCH_OP = register_op("internode dispatch", plan.PHASES)
 COMBINE_OP = register_op("internode combine", plan.PHASES)
 
 
-def rdma_size_hint(config, hidden_bytes: int, num_ranks: int) -> int:
-    return plan.rdma_size_hint(config, hidden_bytes, num_ranks)
-
-
 def representative_sources() -> List[KernelSource]:
     """For --precompile: H = 7168 on 2 nodes of 1 rank (the 2-GPU test machine) and 2 nodes of 8;
     BF16 and FP8 (56 scales), both index types, fresh and cached dispatch, combine."""

@@ -35,10 +35,6 @@ DISPATCH_OP = register_op("intranode dispatch", plan.PHASES)
 COMBINE_OP = register_op("intranode combine", plan.PHASES)
 
 
-def nvl_size_hint(config, hidden_bytes: int, num_ranks: int) -> int:
-    return plan.nvl_size_hint(config, hidden_bytes, num_ranks)
-
-
 def representative_sources() -> List[KernelSource]:
     """For --precompile: H = 7168 on 2 and 8 ranks; BF16 and FP8 (56 scales), both index types,
     fresh and cached dispatch, combine."""

@@ -22,9 +22,7 @@ from ..backend import LowLatencyDispatchResult
 from ..runtime.compiler import KernelSource
 from ._common import INDEX_TYPES, backend_kernel, current_stream, ptr
 from .trace import TraceRows
-from .low_latency_layout import (MAX_TOPK, THREADS, Layout, dispatch_smem_bytes, rdma_size_hint)
-
-__all__ = ["LowLatency", "rdma_size_hint", "representative_sources", "MAX_TOPK"]
+from .low_latency_layout import MAX_TOPK, THREADS, Layout, dispatch_smem_bytes
 
 SEND, RECV = 1, 2                  # Params.phases
 _P = ctypes.c_void_p
