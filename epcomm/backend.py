@@ -8,18 +8,17 @@ Buffer calls these with arguments it has already validated and normalised:
   * bias arrives as a 2-tuple (b0, b1), either None;
   * no event / stream arguments: the GPU backend launches on `torch.cuda.current_stream()`, which
     Buffer has set to its communication stream, and allocates outputs on the current stream too.
-Return values are plain tensors / lists; Buffer builds the public tuples and the EventOverlap.
+Return values are plain tensors / lists / named tuples; Buffer builds the public tuples and the
+EventOverlap (which holds every tensor of a result, found by walking its tuples).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
 
-@dataclass
-class DispatchResult:
+class DispatchResult(NamedTuple):
     recv_x: torch.Tensor                      # [M, H] bf16, or fp8 e4m3 when scales are given
     recv_x_scales: Optional[torch.Tensor]     # [M, H/128] float32 or None
     recv_topk_idx: Optional[torch.Tensor]     # [M, K] same dtype as topk_idx, local expert ids, -1 else
@@ -28,8 +27,7 @@ class DispatchResult:
     handle: Optional[tuple]                   # intranode 6-tuple / internode 10-tuple
 
 
-@dataclass
-class LowLatencyDispatchResult:
+class LowLatencyDispatchResult(NamedTuple):
     recv_x: torch.Tensor                      # [E_l, R*T, H] bf16 or fp8
     recv_x_scales: Optional[torch.Tensor]     # [E_l, R*T, H/128] f32 or [E_l, R*T, H/512] int32, col-major
     recv_count: torch.Tensor                  # [E_l] int32

@@ -187,17 +187,22 @@ class Buffer:
             return validate.owned_handle(handle, self._handle_owner)
         return c.output(handle)
 
-    def _stream_order(self, c: Call, previous_event, async_finish, allocate_on_comm_stream
-                      ) -> Optional[AsyncScope]:
-        """After validation, for other than the default stream arguments (which the callers test
-        inline: the common case): None to run in place (synchronous; previous_event already waited
-        for, see epcomm.streams), else the AsyncScope to run in (async_finish)."""
+    def _run(self, c: Call, run: Callable, args: tuple, previous_event=None, async_finish=False,
+             allocate_on_comm_stream=False):
+        """run(*args) in the stream order the stream arguments ask for (epcomm.streams) -> (its
+        result, the call's EventOverlap). The default arguments, the common case, run it in place
+        with nothing around it; async_finish runs it on the comm stream, where AsyncScope.finish keeps
+        the tensors of args and of the result safe from the other stream's allocator."""
+        if previous_event is None and async_finish is False and allocate_on_comm_stream is False:
+            return run(*args), EventOverlap()
         previous_event, async_finish, _ = validate.stream_args(c, previous_event, async_finish,
                                                                allocate_on_comm_stream)
         if not async_finish:
             wait_previous(previous_event)
-            return None
-        return AsyncScope(self._comm, previous_event)
+            return run(*args), EventOverlap()
+        with AsyncScope(self._comm, previous_event) as scope:
+            result = run(*args)
+            return result, scope.finish(args, result)
 
     def _shrink(self, c: Call) -> None:
         self._low_latency(c)
@@ -307,15 +312,8 @@ class Buffer:
         """
         c = self._begin("Buffer.get_dispatch_layout")
         topk_idx, num_experts = validate.layout_args(c, topk_idx, num_experts)
-        scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
-            else self._stream_order(c, previous_event, async_finish, allocate_on_comm_stream)
-        if scope is None:
-            outputs = self._backend.get_dispatch_layout(topk_idx, num_experts)
-            event = EventOverlap()
-        else:
-            with scope:
-                outputs = self._backend.get_dispatch_layout(topk_idx, num_experts)
-                event = scope.finish((topk_idx,), outputs)
+        outputs, event = self._run(c, self._backend.get_dispatch_layout, (topk_idx, num_experts),
+                                   previous_event, async_finish, allocate_on_comm_stream)
         return (*c.output(tuple(outputs)), event)
 
     def dispatch(self, x: Union[Tensor, FP8Pair], handle: Optional[Tuple] = None,
@@ -352,16 +350,8 @@ class Buffer:
                                       num_worst_tokens, self._handle_owner)
         if type(config) is not Config:
             config = c.config("config", config, None) or self.get_dispatch_config(self.group_size)
-        scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
-            else self._stream_order(c, previous_event, async_finish, allocate_on_comm_stream)
-        if scope is None:
-            r = self._backend.dispatch(*args, config)
-            event = EventOverlap()
-        else:
-            with scope:
-                r = self._backend.dispatch(*args, config)
-                event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_topk_idx, r.recv_topk_weights,
-                                            r.handle))
+        r, event = self._run(c, self._backend.dispatch, (*args, config), previous_event, async_finish,
+                             allocate_on_comm_stream)
         recv_x = r.recv_x if args[1] is None else (r.recv_x, r.recv_x_scales)
         if args[2] is not None:
             return c.output(recv_x), None, None, None, None, event
@@ -387,16 +377,9 @@ class Buffer:
                                                               self._handle_owner)
         if type(config) is not Config:
             config = c.config("config", config, None) or self.get_combine_config(self.group_size)
-        scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
-            else self._stream_order(c, previous_event, async_finish, allocate_on_comm_stream)
-        if scope is None:
-            combined_x, combined_topk_weights = self._backend.combine(x, handle, topk_weights, bias, config)
-            event = EventOverlap()
-        else:
-            with scope:
-                combined_x, combined_topk_weights = self._backend.combine(x, handle, topk_weights, bias, config)
-                event = scope.finish((x, handle, topk_weights, bias), (combined_x, combined_topk_weights))
-        return (*c.output((combined_x, combined_topk_weights)), event)
+        combined, event = self._run(c, self._backend.combine, (x, handle, topk_weights, bias, config),
+                                    previous_event, async_finish, allocate_on_comm_stream)
+        return (*c.output(tuple(combined)), event)
 
     # ---- low-latency mode ----------------------------------------------------------------------
     # Synchronous and hook calls run on the current stream (nothing to order, lowest latency);
@@ -441,13 +424,8 @@ class Buffer:
         shape = (args[2], args[0].shape[1], args[3])
         if shape not in self._low_latency_fits:
             self._low_latency(c, shape)
-        if not async_finish:
-            r = self._backend.low_latency_dispatch(*args, return_recv_hook)
-            event = EventOverlap()
-        else:
-            with AsyncScope(self._comm, None) as scope:
-                r = self._backend.low_latency_dispatch(*args, return_recv_hook)
-                event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_count, r.handle))
+        r, event = self._run(c, self._backend.low_latency_dispatch, (*args, return_recv_hook),
+                             async_finish=async_finish)
         recv_x = (r.recv_x, r.recv_x_scales) if args[6] else r.recv_x
         return (*c.output((recv_x, r.recv_count)), self._returned_handle(c, r.handle), event, r.hook)
 
@@ -478,15 +456,10 @@ class Buffer:
         if shape not in self._low_latency_fits:
             self._low_latency(c, shape)
         x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out_t, wait_stats = args
-        if not async_finish:
-            combined_x, hook = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt,
-                                                                 zero_copy, return_recv_hook, out_t, wait_stats)
-            event = EventOverlap()
-        else:
-            with AsyncScope(self._comm, None) as scope:
-                combined_x, hook = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt,
-                                                                     zero_copy, return_recv_hook, out_t, wait_stats)
-                event = scope.finish(args, (combined_x,))
+        (combined_x, hook), event = self._run(
+            c, self._backend.low_latency_combine,
+            (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, return_recv_hook, out_t, wait_stats),
+            async_finish=async_finish)
         # Hand the caller's own `out` object back, as DeepEP returns `out` itself.
         result = out if out is not None and combined_x is args[6] else c.output(combined_x)
         return result, event, hook
