@@ -352,8 +352,9 @@ class Buffer:
             config = c.config("config", config, None) or self.get_dispatch_config(self.group_size)
         r, event = self._run(c, self._backend.dispatch, (*args, config), previous_event, async_finish,
                              allocate_on_comm_stream)
-        recv_x = r.recv_x if args[1] is None else (r.recv_x, r.recv_x_scales)
-        if args[2] is not None:
+        _, x_scales, handle = args[:3]
+        recv_x = r.recv_x if x_scales is None else (r.recv_x, r.recv_x_scales)
+        if handle is not None:   # cached mode
             return c.output(recv_x), None, None, None, None, event
         return (*c.output((recv_x, r.recv_topk_idx, r.recv_topk_weights)), r.num_recv_tokens_per_expert_list,
                 self._returned_handle(c, r.handle), event)
@@ -421,12 +422,13 @@ class Buffer:
         args = validate.ll_dispatch_args(c, low_latency_layout.MAX_TOPK, x, topk_idx, num_max_dispatch_tokens_per_rank,
                                          num_experts, cumulative_local_expert_recv_stats,
                                          dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
-        shape = (args[2], args[0].shape[1], args[3])
+        x, _, num_max_tokens, num_experts, _, _, use_fp8 = args[:7]
+        shape = (num_max_tokens, x.shape[1], num_experts)
         if shape not in self._low_latency_fits:
             self._low_latency(c, shape)
         r, event = self._run(c, self._backend.low_latency_dispatch, (*args, return_recv_hook),
                              async_finish=async_finish)
-        recv_x = (r.recv_x, r.recv_x_scales) if args[6] else r.recv_x
+        recv_x = (r.recv_x, r.recv_x_scales) if use_fp8 else r.recv_x
         return (*c.output((recv_x, r.recv_count)), self._returned_handle(c, r.handle), event, r.hook)
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: Tuple,
@@ -452,23 +454,23 @@ class Buffer:
             self._low_latency(c)
         args = validate.ll_combine_args(c, low_latency_layout.MAX_TOPK, x, topk_idx, topk_weights, handle, use_logfmt,
                                         zero_copy, out, combine_wait_recv_cost_stats, self._handle_owner)
-        shape = args[3][2:]
+        x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out_t, wait_stats = args
+        shape = handle[2:]   # (T, H, E)
         if shape not in self._low_latency_fits:
             self._low_latency(c, shape)
-        x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out_t, wait_stats = args
         (combined_x, hook), event = self._run(
             c, self._backend.low_latency_combine,
             (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, return_recv_hook, out_t, wait_stats),
             async_finish=async_finish)
         # Hand the caller's own `out` object back, as DeepEP returns `out` itself.
-        result = out if out is not None and combined_x is args[6] else c.output(combined_x)
+        result = out if out is not None and combined_x is out_t else c.output(combined_x)
         return result, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: Tuple) -> Tensor:
         """The [E_l, R*T, H] bfloat16 view the next low_latency_combine(zero_copy=True) sends from."""
         c = self._begin("Buffer.get_next_low_latency_combine_buffer")
         handle = validate.ll_handle(c, handle, self._handle_owner)
-        self._low_latency(c, handle[2:])
+        self._low_latency(c, handle[2:])   # (T, H, E)
         return c.output(self._backend.get_next_low_latency_combine_buffer(handle))
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:

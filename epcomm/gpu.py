@@ -10,7 +10,7 @@ State the ops modules may use (and nothing else of this class):
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -52,6 +52,16 @@ def resolve_local_ranks(host_keys: List[str], overrides: List[Optional[int]]) ->
     return forced
 
 
+class _RankFacts(NamedTuple):
+    """What each rank tells the others before any collective allocation."""
+    host: str
+    num_nvl_bytes: int
+    num_rdma_bytes: int
+    low_latency_mode: bool
+    error: Optional[str]            # repr of this rank's setup failure, or None
+    forced_local_ranks: Optional[int]
+
+
 class GpuBackend(Backend):
     def __init__(self, group, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool,
                  options: dict):
@@ -81,23 +91,24 @@ class GpuBackend(Backend):
             status = StatusRecord(self.device, on_failure=self._on_peer_failure)
         except Exception as e:  # re-raised below, after the other ranks have heard of it
             local_error = e
-        mine = (host_key(), num_nvl_bytes, num_rdma_bytes, self.low_latency_mode,
-                repr(local_error) if local_error else None, forced_local_ranks)
+        mine = _RankFacts(host_key(), num_nvl_bytes, num_rdma_bytes, self.low_latency_mode,
+                          repr(local_error) if local_error else None, forced_local_ranks)
         facts = [None] * self.num_ranks
         dist.all_gather_object(facts, mine, group=group)
         if local_error is not None:
             raise local_error
-        failed = [f"rank {r}: {f[4]}" for r, f in enumerate(facts) if f[4]]
+        failed = [f"rank {r}: {f.error}" for r, f in enumerate(facts) if f.error]
         if failed:
             status.free()
             raise EpcommError("GPU backend setup failed on other ranks: " + "; ".join(failed))
-        for index, what in ((1, "num_nvl_bytes"), (2, "num_rdma_bytes"), (3, "low_latency_mode")):
-            if len({f[index] for f in facts}) != 1:
+        for what in ("num_nvl_bytes", "num_rdma_bytes", "low_latency_mode"):
+            values = [getattr(f, what) for f in facts]
+            if len(set(values)) != 1:
                 status.free()
-                raise ValueError(f"{what} must be equal on every rank, got "
-                                 f"{[f[index] for f in facts]} (by rank)")
+                raise ValueError(f"{what} must be equal on every rank, got {values} (by rank)")
         try:
-            self.num_local_ranks = resolve_local_ranks([f[0] for f in facts], [f[5] for f in facts])
+            self.num_local_ranks = resolve_local_ranks([f.host for f in facts],
+                                                       [f.forced_local_ranks for f in facts])
         except ValueError:
             status.free()
             raise

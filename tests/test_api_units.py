@@ -186,3 +186,37 @@ def test_low_latency_size_hint_validates_then_delegates(monkeypatch):
 
 def test_topk_idx_t_is_the_layout_dtype():
     assert epcomm.topk_idx_t == torch.int64
+
+
+# ---- handles -----------------------------------------------------------------------------------
+def test_handles_are_named_tuples_at_deepep_positions():
+    """A returned handle keeps its backend type's field names and DeepEP's positions, is marked as
+    its Buffer's (so it is not checked again), and a copy or a pickle is the unmarked type."""
+    import copy
+    import pickle
+    from epcomm.backend import InternodeHandle, IntranodeHandle, LowLatencyHandle, named
+    from epcomm.validate import Handle, owned_handle
+    tensors = [torch.full((1,), float(i)) for i in range(10)]
+    intranode = IntranodeHandle(*tensors[:6])
+    assert intranode[3] is intranode.recv_src_idx and intranode[4] is intranode.is_token_in_rank
+    internode = InternodeHandle(*tensors)
+    assert internode[0] is internode.is_token_in_rank and internode[7] is internode.recv_src_meta
+    assert LowLatencyHandle(tensors[0], tensors[1], 128, 7168, 288)[2:] == (128, 7168, 288)
+    owner = object()
+    marked = owned_handle(internode, owner)
+    assert isinstance(marked, Handle) and isinstance(marked, InternodeHandle) and marked.owner is owner
+    assert tuple(marked) == tuple(internode) and marked.send_nvl_head is tensors[9]
+    for clone in (copy.copy(marked), pickle.loads(pickle.dumps(marked))):
+        assert type(clone) is InternodeHandle and not isinstance(clone, Handle)
+    assert named(IntranodeHandle, tuple(intranode)) == intranode
+    assert type(owned_handle((1, 2), owner)) is Handle
+
+
+def test_call_output_rebuilds_named_tuples_field_by_field():
+    from epcomm.backend import LowLatencyHandle
+    from epcomm.validate import Call
+    c = Call("Buffer.test", torch.device("cpu"), 1)
+    c.framework = "numpy-like"   # any non-torch framework walks the tuple; non-tensors pass through
+    handle = LowLatencyHandle(1, 2, 3, 4, 5)
+    assert c.output(handle) == handle and type(c.output(handle)) is LowLatencyHandle
+    assert c.output([1, (2, 3)]) == [1, (2, 3)]

@@ -34,7 +34,7 @@ from typing import List, Optional
 
 import torch
 
-from ..backend import DispatchResult
+from ..backend import DispatchResult, InternodeHandle, named
 from ..runtime.compiler import KernelSource
 from ..runtime.status import register_op
 from . import internode_plan as plan
@@ -131,16 +131,17 @@ def _dispatch_layout(gb, row_bytes: int, num_scales: int, num_topk: int) -> plan
 _MAX_TOKENS_ATTR = "_epcomm_max_tokens"
 
 
-def _host_max_tokens(handle) -> Optional[int]:
-    return getattr(handle[2], _MAX_TOKENS_ATTR, None)
+def _host_max_tokens(handle: InternodeHandle) -> Optional[int]:
+    return getattr(handle.gbl_channel_prefix_matrix, _MAX_TOKENS_ATTR, None)
 
 
-def _max_tokens_ptr(handle, num_ranks: int) -> int:
+def _max_tokens_ptr(handle: InternodeHandle, num_ranks: int) -> int:
     """Device address of handle[2][R], the largest N of all ranks."""
-    if handle[2].numel() != num_ranks + 1:
-        raise ValueError(f"handle[2] has {handle[2].numel()} elements, an internode handle of {num_ranks} "
+    totals = handle.gbl_channel_prefix_matrix
+    if totals.numel() != num_ranks + 1:
+        raise ValueError(f"handle[2] has {totals.numel()} elements, an internode handle of {num_ranks} "
                          f"ranks {num_ranks + 1}")
-    return handle[2].data_ptr() + 4 * num_ranks
+    return totals.data_ptr() + 4 * num_ranks
 
 
 def _check_known_capacity(handle, what: str, capacity: int, rdma_bytes: int, detail: str) -> None:
@@ -185,19 +186,21 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
             num_out_rows, expert_counts, max_tokens = _read_counts(gb, tables["info"], num_local_experts,
                                                                    expert_alignment, layout, what)
             setattr(tables["gbl_channel_prefix"], _MAX_TOKENS_ATTR, max_tokens)
-        handle = (is_token_in_rank, tables["rdma_channel_prefix"], tables["gbl_channel_prefix"],
-                  tables["recv_rdma_channel_prefix"], tables["recv_rdma_rank_prefix_sum"],
-                  tables["recv_gbl_channel_prefix"], tables["recv_gbl_rank_prefix_sum"],
-                  torch.empty((num_out_rows, 3), dtype=torch.int32, device=device),
-                  tables["send_rdma_head"], tables["send_nvl_head"])
+        handle = InternodeHandle(
+            is_token_in_rank, tables["rdma_channel_prefix"], tables["gbl_channel_prefix"],
+            tables["recv_rdma_channel_prefix"], tables["recv_rdma_rank_prefix_sum"],
+            tables["recv_gbl_channel_prefix"], tables["recv_gbl_rank_prefix_sum"],
+            torch.empty((num_out_rows, 3), dtype=torch.int32, device=device),
+            tables["send_rdma_head"], tables["send_nvl_head"])
     else:
-        if handle[0].shape[0] != num_tokens:
+        handle = named(InternodeHandle, handle)
+        if handle.is_token_in_rank.shape[0] != num_tokens:
             raise ValueError(f"{what}: x has {num_tokens} rows, the handle's is_token_in_rank "
-                             f"{handle[0].shape[0]}")
+                             f"{handle.is_token_in_rank.shape[0]}")
         num_local_experts, num_topk, index_type = 0, 0, "int"
         topk_idx = topk_weights = None
-        num_out_rows = handle[7].shape[0]   # exact M, or num_worst_tokens of the fresh call
-        chunks = handle[1].shape[1] - 1
+        num_out_rows = handle.recv_src_meta.shape[0]   # exact M, or num_worst_tokens of the fresh call
+        chunks = handle.rdma_channel_prefix_matrix.shape[1] - 1
         layout = _dispatch_layout(gb, row_bytes, num_scales, 0)
         _check_known_capacity(handle, what, layout.capacity, gb.rdma.nbytes, f"{layout.record_bytes}-byte records")
     name = plan.dispatch_kernel(num_ranks, num_local, row_bytes, num_scales, index_type, fresh)
@@ -213,11 +216,13 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
 
     params = plan.DispatchParams(
         x=ptr(x), x_scales=ptr(x_scales), topk_idx=ptr(topk_idx), topk_weights=ptr(topk_weights),
-        rdma_channel_prefix=handle[1].data_ptr(), recv_rdma_channel_prefix=handle[3].data_ptr(),
-        recv_gbl_rank_prefix_sum=handle[6].data_ptr(), send_rdma_head=ptr(handle[8]),
-        send_nvl_head=ptr(handle[9]), recv_x=ptr(recv_x), recv_x_scales=ptr(recv_scales),
+        rdma_channel_prefix=handle.rdma_channel_prefix_matrix.data_ptr(),
+        recv_rdma_channel_prefix=handle.recv_rdma_channel_prefix_matrix.data_ptr(),
+        recv_gbl_rank_prefix_sum=handle.recv_gbl_rank_prefix_sum.data_ptr(),
+        send_rdma_head=ptr(handle.send_rdma_head), send_nvl_head=ptr(handle.send_nvl_head),
+        recv_x=ptr(recv_x), recv_x_scales=ptr(recv_scales),
         recv_topk_idx=ptr(recv_topk_idx), recv_topk_weights=ptr(recv_topk_weights),
-        recv_src_meta=ptr(handle[7]) if fresh else 0, max_tokens=_max_tokens_ptr(handle, num_ranks),
+        recv_src_meta=ptr(handle.recv_src_meta) if fresh else 0, max_tokens=_max_tokens_ptr(handle, num_ranks),
         peer_bases=_peer_bases(gb), err=gb.status.device_ptr,
         scale_stride_token=x_scales.stride(0) if x_scales is not None else 0,
         scale_stride_group=x_scales.stride(1) if x_scales is not None else 0,
@@ -284,11 +289,12 @@ def combine(gb, x, handle, topk_weights, bias, config):
     what = "combine"
     num_ranks, num_local, device = gb.num_ranks, gb.num_local_ranks, gb.device
     _check_buffer(gb, config, what)
-    is_token_in_rank, rdma_channel_prefix = handle[0], handle[1]
-    num_tokens, hidden = is_token_in_rank.shape[0], x.shape[1]
-    if x.shape[0] != handle[7].shape[0]:
+    handle = named(InternodeHandle, handle)
+    num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]
+    num_recv = handle.recv_src_meta.shape[0]
+    if x.shape[0] != num_recv:
         raise ValueError(f"{what}: x has {x.shape[0]} rows, the handle's dispatch received "
-                         f"{handle[7].shape[0]}")
+                         f"{num_recv}")
     for b in bias:   # the kernel reads bias rows of every token
         if b is not None and tuple(b.shape) != (num_tokens, hidden):
             raise ValueError(f"{what}: bias must be [num_tokens, hidden] = [{num_tokens}, {hidden}] (num_tokens "
@@ -309,8 +315,10 @@ def combine(gb, x, handle, topk_weights, bias, config):
         if num_topk else None
     params = plan.CombineParams(
         x=ptr(x), topk_weights=ptr(topk_weights), bias0=ptr(bias0), bias1=ptr(bias1),
-        recv_src_meta=ptr(handle[7]), recv_gbl_rank_prefix_sum=handle[6].data_ptr(),
-        recv_rdma_channel_prefix=handle[3].data_ptr(), send_rdma_head=ptr(handle[8]),
+        recv_src_meta=ptr(handle.recv_src_meta),
+        recv_gbl_rank_prefix_sum=handle.recv_gbl_rank_prefix_sum.data_ptr(),
+        recv_rdma_channel_prefix=handle.recv_rdma_channel_prefix_matrix.data_ptr(),
+        send_rdma_head=ptr(handle.send_rdma_head),
         combined_x=ptr(combined_x), combined_weights=ptr(combined_weights),
         max_tokens=_max_tokens_ptr(handle, num_ranks), peer_bases=_peer_bases(gb), err=gb.status.device_ptr,
         timeout_ns=gb.timeout_ns,
@@ -318,6 +326,6 @@ def combine(gb, x, handle, topk_weights, bias, config):
         partial_recv_offset=layout.partial_recv_offset, capacity=layout.capacity,
         push_bytes=layout.push_bytes, partial_bytes=layout.partial_bytes,
         chunk_records=layout.chunk_records, num_tokens=num_tokens,
-        num_chunks=rdma_channel_prefix.shape[1] - 1, num_topk=num_topk, rank=gb.rank, op=COMBINE_OP)
+        num_chunks=handle.rdma_channel_prefix_matrix.shape[1] - 1, num_topk=num_topk, rank=gb.rank, op=COMBINE_OP)
     launch_1d(gb, kernel, config.num_sms, plan.THREADS, params)
     return combined_x, combined_weights

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import env
-from ..backend import DispatchResult
+from ..backend import DispatchResult, IntranodeHandle
 from ..runtime.compiler import KernelSource
 from ..runtime.status import register_op
 from . import intranode_plan as plan
@@ -220,8 +220,8 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
 
     if not fresh:
         return DispatchResult(recv_x, recv_scales, None, None, None, None)
-    new_handle = (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
-                  send_head)
+    new_handle = IntranodeHandle(rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx,
+                                 is_token_in_rank, send_head)
     return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts,
                           new_handle)
 

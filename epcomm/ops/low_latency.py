@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import env
-from ..backend import LowLatencyDispatchResult
+from ..backend import LowLatencyDispatchResult, LowLatencyHandle
 from ..runtime.compiler import KernelSource
 from ._common import INDEX_TYPES, backend_kernel, current_stream, ptr
 from .trace import TraceRows
@@ -315,7 +315,8 @@ class LowLatency:
         else:
             p.phases = SEND | RECV
             self._launch(plan, p, stream)
-        return LowLatencyDispatchResult(recv_x, scales, recv_count, (src_info, layout_range, T, H, E), hook)
+        return LowLatencyDispatchResult(recv_x, scales, recv_count,
+                                        LowLatencyHandle(src_info, layout_range, T, H, E), hook)
 
     # ---- combine -----------------------------------------------------------------------------
     def _combine_plan(self, key: tuple) -> _Plan:
