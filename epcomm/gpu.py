@@ -3,6 +3,7 @@ error record) and hands each operation to its module under epcomm.ops.
 
 State the ops modules may use (and nothing else of this class):
   rank, num_ranks, num_local_ranks, device (torch.device), device_index, arch (runtime.arch.Arch)
+  plans : the ops modules' plan cache (epcomm.ops._common.plan_for)
   nvl   : runtime.symmetric.SymmetricBuffer of num_nvl_bytes, or None
   rdma  : runtime.symmetric.SymmetricBuffer of num_rdma_bytes, or None
   status: runtime.status.StatusRecord (host-mapped ErrorRecord; .device_ptr, .check())
@@ -10,46 +11,12 @@ State the ops modules may use (and nothing else of this class):
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .backend import Backend
 from .errors import BufferUnusable, EpcommError
-
-
-def local_rank_count(host_keys: List[str]) -> int:
-    """Ranks per host, given each rank's host. Hosts must hold equally many ranks, numbered
-    contiguously (ranks 0..L-1 on the first host, ...), as DeepEP's NVLink/RDMA split assumes."""
-    runs: List[List] = []  # [host, count] per run of equal consecutive keys
-    for key in host_keys:
-        if runs and runs[-1][0] == key:
-            runs[-1][1] += 1
-        else:
-            runs.append([key, 1])
-    layout = ", ".join(f"{host.split('/')[0]} x{count}" for host, count in runs)
-    if len({host for host, _ in runs}) != len(runs):
-        raise ValueError(f"the ranks of each host must be contiguous in the group, got runs of "
-                         f"hosts: {layout}")
-    if len({count for _, count in runs}) != 1:
-        raise ValueError(f"every host must hold the same number of ranks, got {layout}")
-    return runs[0][1]
-
-
-def resolve_local_ranks(host_keys: List[str], overrides: List[Optional[int]]) -> int:
-    """Ranks per node: from the hosts, or EPCOMM_NUM_LOCAL_RANKS (`overrides`, by rank), which must
-    be equal on every rank and cut each host into whole nodes (a node never spans hosts: its ranks
-    talk over NVLink)."""
-    per_host = local_rank_count(host_keys)
-    if len(set(overrides)) != 1:
-        raise ValueError(f"EPCOMM_NUM_LOCAL_RANKS must be equal on every rank, got {overrides} (by rank)")
-    forced = overrides[0]
-    if forced is None:
-        return per_host
-    if per_host % forced:
-        raise ValueError(f"EPCOMM_NUM_LOCAL_RANKS={forced} must divide the {per_host} ranks of each host "
-                         f"(and so the {len(host_keys)} ranks of the group)")
-    return forced
 
 
 class _RankFacts(NamedTuple):
@@ -70,7 +37,8 @@ class GpuBackend(Backend):
         import torch.distributed as dist
         from . import env
         from .runtime.arch import device_arch
-        from .runtime.nvshmem import Nvshmem, host_key
+        from .runtime.nvshmem import Nvshmem
+        from .runtime.topology import host_key, resolve_local_ranks
         from .runtime.status import StatusRecord
         from .runtime.symmetric import SymmetricBuffer
 
@@ -83,6 +51,7 @@ class GpuBackend(Backend):
         self.options = dict(options)
         self.timeout_ns = int(env.timeout_s() * 1e9)
         self.nvl = self.rdma = self._ll = self._normal_ops = None
+        self.plans = {}   # the ops modules' plans: spec type -> {spec: plan} (ops._common.plan_for)
 
         local_error, status, forced_local_ranks = None, None, None
         try:
@@ -178,6 +147,7 @@ class GpuBackend(Backend):
             return
         self._destroyed = True
         self._ll = None
+        self.plans = {}   # their Params point into the buffers freed below
         self.nvshmem.remove_teardown(self.destroy)
         if self.nvshmem.live and not self.nvshmem.peer_failed:
             self.nvshmem.barrier_all()  # no peer kernel may still write into what is freed next

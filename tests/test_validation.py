@@ -297,7 +297,7 @@ def test_combine_rejects():
 # ---- internode (two "nodes" of one rank each on the CPU backend) ---------------------------------
 def _internode_cases(rank, world, group):
     import os
-    os.environ["LOCAL_WORLD_SIZE"] = "1"   # the CPU backend's ranks per node: one, so 2 nodes
+    os.environ["EPCOMM_NUM_LOCAL_RANKS"] = "1"   # ranks per node: one, so 2 nodes
     from epcomm import Buffer
     no_rdma = Buffer(group, NVL_BYTES)
     buf = Buffer(group, NVL_BYTES, NVL_BYTES)

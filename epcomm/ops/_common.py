@@ -52,3 +52,18 @@ def backend_kernel(gb, source: KernelSource):
 def launch_1d(gb, kernel, grid: int, threads: int, params) -> None:
     """One launch of grid x threads on gb's device's current stream."""
     kernel.launch((grid, 1, 1), (threads, 1, 1), params, current_stream(gb.device_index))
+
+
+def plan_for(gb, spec, build):
+    """gb's plan for `spec`, made by build(gb, spec) at its first use. Every family plans this way:
+    a spec is a NamedTuple of what a plan depends on besides the Buffer (immutable and hashed in C:
+    the lookup is on every call's host path), a plan is the loaded kernel with its Params, the
+    fields fixed for the spec already set. The cache belongs to the backend (gb.plans), one dict per
+    spec type, as tuples of equal values compare equal whatever their type."""
+    plans = gb.plans.get(type(spec))
+    if plans is None:
+        plans = gb.plans[type(spec)] = {}
+    found = plans.get(spec)
+    if found is None:
+        found = plans[spec] = build(gb, spec)
+    return found

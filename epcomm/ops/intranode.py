@@ -18,8 +18,7 @@ G comes from Config.num_sms (intranode_plan.num_chunks) and must be equal on eve
 """
 from __future__ import annotations
 
-import weakref
-from typing import Dict, List, Optional
+from typing import List, NamedTuple
 
 import torch
 
@@ -28,7 +27,7 @@ from ..backend import DispatchResult, IntranodeHandle
 from ..runtime.compiler import KernelSource
 from ..runtime.status import register_op
 from . import intranode_plan as plan
-from ._common import INDEX_TYPES, aligned, backend_kernel, host_ints, launch_1d, ptr
+from ._common import INDEX_TYPES, aligned, backend_kernel, host_ints, launch_1d, plan_for, ptr
 from .trace import TraceRows
 
 DISPATCH_OP = register_op("intranode dispatch", plan.PHASES)
@@ -73,15 +72,15 @@ def set_tracing(on: bool) -> None:
 last_trace = _TRACE.last   # [blocks, TRACE_WARPS, len(TRACE_SLOTS)] of the latest traced launch
 
 
-# ---- checks, launch geometry ------------------------------------------------------------------
-def _prepare(gb, config, what: str) -> None:
-    """Per-call checks. (The NVL buffer, hence the signal header, is zero from construction.)"""
+# ---- checks, plans ----------------------------------------------------------------------------
+def _prepare(gb, num_sms: int, what: str) -> None:
+    """The checks of a new plan. (The NVL buffer, hence the signal header, is zero from construction.)"""
     nvl = gb.nvl
     if nvl is None:
         raise ValueError(f"{what}: intranode mode needs an NVL buffer; build the Buffer with "
                          f"num_nvl_bytes > 0 (Config.get_nvl_buffer_size_hint gives a good size)")
-    if config.num_sms > gb.arch.num_sms:
-        raise ValueError(f"{what}: Config.num_sms={config.num_sms} exceeds the device's "
+    if num_sms > gb.arch.num_sms:
+        raise ValueError(f"{what}: Config.num_sms={num_sms} exceeds the device's "
                          f"{gb.arch.num_sms} SMs")
     header = plan.header_bytes(gb.num_ranks)
     if header > nvl.nbytes:
@@ -93,65 +92,60 @@ def _prepare(gb, config, what: str) -> None:
                          f"{gb.rank}; intranode mode needs every rank in one NVLink domain")
 
 
-class _Geometry:
-    """What a launch needs besides the tensors, for one (NVL buffer, kernel, SMs) combination:
-    checked and looked up once, then reused call after call (the host path is the whole cost of
-    a small call). `params` is the kernel's Params with the fields that never change for this
-    geometry already set; a call sets the rest and launches it (the launch copies the struct, so
-    one object serves every call)."""
-    __slots__ = ("owner", "kernel", "blocks", "send_blocks", "staging", "record", "rows", "params")
+class DispatchSpec(NamedTuple):
+    """An intranode dispatch plan's key (the Buffer fixes ranks, NVL buffer and feature set)."""
+    num_sms: int
+    row_bytes: int
+    num_scales: int
+    num_topk: int
+    index_type: str
+    num_local_experts: int
+    fresh: bool
+    trace: bool
 
-    def __init__(self, gb, nvl, kernel, split, staging: int, record: int, rows: int, params_type, op: int):
-        self.owner = weakref.ref(nvl)   # keys hold id(nvl): an entry is valid for that object only
+
+class CombineSpec(NamedTuple):
+    num_sms: int
+    row_bytes: int
+    num_topk: int
+    trace: bool
+
+
+class _Plan:
+    """A data kernel's launch besides the tensors (the host path is the whole cost of a small
+    call): `params` is the kernel's Params with the fields fixed for the spec already set; a call
+    sets the rest and launches it (the launch copies the struct, so one object serves every call)."""
+    __slots__ = ("kernel", "blocks", "send_blocks", "staging", "record", "rows", "params")
+
+    def __init__(self, gb, kernel, split, staging: int, record: int, rows: int, params_type, op: int):
         self.kernel, self.blocks, self.send_blocks = kernel, split.blocks, split.send_blocks
         self.staging, self.record, self.rows = staging, record, rows
-        self.params = params_type(peer_bases=nvl.peer_table.data_ptr(), err=gb.status.device_ptr,
+        self.params = params_type(peer_bases=gb.nvl.peer_table.data_ptr(), err=gb.status.device_ptr,
                                   timeout_ns=gb.timeout_ns, staging_offset=staging, ring_rows=rows,
                                   record_bytes=record, rank=gb.rank, num_send_blocks=split.send_blocks, op=op)
 
 
-_GEOMETRY: Dict[tuple, _Geometry] = {}
+def _dispatch_plan(gb, spec: DispatchSpec) -> _Plan:
+    _prepare(gb, spec.num_sms, "dispatch")
+    num_ranks = gb.num_ranks
+    staging = plan.dispatch_staging_offset(num_ranks, spec.num_local_experts) if spec.fresh else \
+        plan.combine_staging_offset(num_ranks)
+    record = plan.dispatch_record_bytes(spec.row_bytes, spec.num_scales, spec.num_topk)
+    rows = plan.ring_rows(gb.nvl.nbytes, staging, record, num_ranks, "dispatch")
+    name = plan.dispatch_kernel(num_ranks, spec.row_bytes, spec.num_scales, spec.index_type, spec.fresh)
+    return _Plan(gb, _kernel(gb, name, spec.trace), plan.dispatch_split(spec.num_sms, num_ranks),
+                 staging, record, rows, plan.DispatchParams, DISPATCH_OP)
 
 
-def _geometry(gb, config, key: tuple, build) -> _Geometry:
-    nvl = gb.nvl
-    geometry = _GEOMETRY.get(key) if nvl is not None else None
-    if geometry is None or geometry.owner() is not nvl:
-        _prepare(gb, config, key[0])
-        geometry = _GEOMETRY[key] = build(nvl)
-    return geometry
-
-
-def _dispatch_geometry(gb, config, row_bytes: int, num_scales: int, num_topk: int,
-                       index_type: str, num_local_experts: int, fresh: bool, trace: bool) -> _Geometry:
-    num_ranks, num_sms = gb.num_ranks, config.num_sms
-    key = ("dispatch", id(gb.nvl), num_sms, gb.arch.feature, row_bytes,
-           num_scales, num_topk, index_type, num_local_experts, fresh, trace)
-
-    def build(nvl):
-        staging = plan.dispatch_staging_offset(num_ranks, num_local_experts) if fresh else \
-            plan.combine_staging_offset(num_ranks)
-        record = plan.dispatch_record_bytes(row_bytes, num_scales, num_topk)
-        rows = plan.ring_rows(nvl.nbytes, staging, record, num_ranks, "dispatch")
-        name = plan.dispatch_kernel(num_ranks, row_bytes, num_scales, index_type, fresh)
-        return _Geometry(gb, nvl, _kernel(gb, name, trace), plan.dispatch_split(num_sms, num_ranks),
-                         staging, record, rows, plan.DispatchParams, DISPATCH_OP)
-    return _geometry(gb, config, key, build)
-
-
-def _combine_geometry(gb, config, row_bytes: int, num_topk: int, trace: bool) -> _Geometry:
-    num_ranks, num_sms = gb.num_ranks, config.num_sms
-    key = ("combine", id(gb.nvl), num_sms, gb.arch.feature, row_bytes,
-           num_topk, trace)
-
-    def build(nvl):
-        staging = plan.combine_staging_offset(num_ranks)
-        record = plan.combine_record_bytes(row_bytes, num_topk)
-        rows = plan.ring_rows(nvl.nbytes, staging, record, num_ranks, "combine")
-        return _Geometry(gb, nvl, _kernel(gb, plan.combine_kernel(num_ranks, row_bytes), trace),
-                         plan.combine_split(num_sms, num_ranks), staging, record, rows, plan.CombineParams,
-                         COMBINE_OP)
-    return _geometry(gb, config, key, build)
+def _combine_plan(gb, spec: CombineSpec) -> _Plan:
+    _prepare(gb, spec.num_sms, "combine")
+    num_ranks = gb.num_ranks
+    staging = plan.combine_staging_offset(num_ranks)
+    record = plan.combine_record_bytes(spec.row_bytes, spec.num_topk)
+    rows = plan.ring_rows(gb.nvl.nbytes, staging, record, num_ranks, "combine")
+    return _Plan(gb, _kernel(gb, plan.combine_kernel(num_ranks, spec.row_bytes), spec.trace),
+                 plan.combine_split(spec.num_sms, num_ranks), staging, record, rows, plan.CombineParams,
+                 COMBINE_OP)
 
 
 # ---- dispatch --------------------------------------------------------------------------------
@@ -178,8 +172,8 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
         index_type = INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
         # Checks (ValueError) before anything is launched.
-        geometry = _dispatch_geometry(gb, config, row_bytes, num_scales, num_topk, index_type,
-                                      num_local_experts, True, trace)
+        planned = plan_for(gb, DispatchSpec(config.num_sms, row_bytes, num_scales, num_topk, index_type,
+                                             num_local_experts, True, trace), _dispatch_plan)
         rank_prefix, channel_prefix, recv_channel_prefix, send_head, info = _notify(
             gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts, trace)
         expert_counts: List[int] = []
@@ -187,14 +181,15 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
             num_out_rows = num_worst_tokens
         else:
             num_out_rows, expert_counts = _read_counts(gb, info, chunks, num_local_experts,
-                                                       expert_alignment, geometry, what)
+                                                       expert_alignment, planned, what)
     else:
         rank_prefix, channel_prefix, recv_channel_prefix, recv_src, is_token_in_rank, send_head = handle
         chunks = channel_prefix.shape[1] - 1
         num_local_experts, num_topk, index_type = 0, 0, "int"
         topk_idx = topk_weights = None
         num_out_rows = recv_src.shape[0]   # exact M, or num_worst_tokens of the fresh call
-        geometry = _dispatch_geometry(gb, config, row_bytes, num_scales, 0, "int", 0, False, trace)
+        planned = plan_for(gb, DispatchSpec(config.num_sms, row_bytes, num_scales, 0, "int", 0, False, trace),
+                            _dispatch_plan)
 
     recv_x = torch.empty((num_out_rows, hidden), dtype=x.dtype, device=device)
     recv_scales = None if x_scales is None else \
@@ -206,17 +201,19 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
             recv_topk_idx = torch.empty((num_out_rows, num_topk), dtype=topk_idx.dtype, device=device)
             recv_topk_weights = torch.empty((num_out_rows, num_topk), dtype=torch.float32, device=device)
 
-    p = geometry.params
-    p.x, p.x_scales, p.topk_idx, p.topk_weights = ptr(x), ptr(x_scales), ptr(topk_idx), ptr(topk_weights)
-    p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
-    p.recv_channel_prefix, p.send_head = recv_channel_prefix.data_ptr(), ptr(send_head)
-    p.recv_x, p.recv_x_scales, p.recv_src_idx = ptr(recv_x), ptr(recv_scales), ptr(recv_src_idx)
-    p.recv_topk_idx, p.recv_topk_weights = ptr(recv_topk_idx), ptr(recv_topk_weights)
-    p.scale_stride_token, p.scale_stride_group = x_scales.stride() if x_scales is not None else (0, 0)
-    p.num_tokens, p.num_chunks, p.tokens_per_chunk = num_tokens, chunks, plan.tokens_per_chunk(num_tokens, chunks)
-    p.num_topk, p.num_local_experts, p.num_out_rows = num_topk, num_local_experts, num_out_rows
-    p.trace = _TRACE.zeroed(gb.device_index, geometry.blocks) if trace else 0
-    launch_1d(gb, geometry.kernel, geometry.blocks, plan.THREADS, p)
+    params = planned.params
+    params.x, params.x_scales = ptr(x), ptr(x_scales)
+    params.topk_idx, params.topk_weights = ptr(topk_idx), ptr(topk_weights)
+    params.rank_prefix, params.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
+    params.recv_channel_prefix, params.send_head = recv_channel_prefix.data_ptr(), ptr(send_head)
+    params.recv_x, params.recv_x_scales, params.recv_src_idx = ptr(recv_x), ptr(recv_scales), ptr(recv_src_idx)
+    params.recv_topk_idx, params.recv_topk_weights = ptr(recv_topk_idx), ptr(recv_topk_weights)
+    params.scale_stride_token, params.scale_stride_group = x_scales.stride() if x_scales is not None else (0, 0)
+    params.num_tokens, params.num_chunks = num_tokens, chunks
+    params.tokens_per_chunk = plan.tokens_per_chunk(num_tokens, chunks)
+    params.num_topk, params.num_local_experts, params.num_out_rows = num_topk, num_local_experts, num_out_rows
+    params.trace = _TRACE.zeroed(gb.device_index, planned.blocks) if trace else 0
+    launch_1d(gb, planned.kernel, planned.blocks, plan.THREADS, params)
 
     if not fresh:
         return DispatchResult(recv_x, recv_scales, None, None, None, None)
@@ -247,7 +244,7 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
     return rank_prefix, channel_prefix, recv_channel_prefix, send_head, info
 
 
-def _read_counts(gb, info, chunks, num_local_experts, expert_alignment, geometry, what):
+def _read_counts(gb, info, chunks, num_local_experts, expert_alignment, planned, what):
     """Exact mode: wait for notify, read the counts; every rank reads the same rank_prefix_matrix
     and N max, so the checks below raise on all ranks alike. (Ranks with different Config.num_sms
     or num_experts were recorded by the notify kernel: check_errors raises that.)"""
@@ -256,7 +253,7 @@ def _read_counts(gb, info, chunks, num_local_experts, expert_alignment, geometry
     rank_prefix = values[:num_ranks * num_ranks]
     experts = values[num_ranks * num_ranks:num_ranks * num_ranks + num_local_experts]
     max_tokens = values[-1]
-    rows, record = geometry.rows, geometry.record
+    rows, record = planned.rows, planned.record
     chunk_rows = plan.tokens_per_chunk(max_tokens, chunks)
     if num_ranks > 1 and chunk_rows > rows:
         raise ValueError(f"{what}: a chunk of up to {chunk_rows} rows ({max_tokens} tokens / {chunks} "
@@ -279,18 +276,20 @@ def combine(gb, x, handle, topk_weights, bias, config):
     num_tokens, hidden = is_token_in_rank.shape[0], x.shape[1]
     chunks = channel_prefix.shape[1] - 1
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-    geometry = _combine_geometry(gb, config, hidden * 2, num_topk, trace)
+    planned = plan_for(gb, CombineSpec(config.num_sms, hidden * 2, num_topk, trace), _combine_plan)
 
     combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
     combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device) \
         if num_topk else None
-    p = geometry.params
-    p.x, p.topk_weights, p.bias0, p.bias1 = ptr(x), ptr(topk_weights), ptr(bias0), ptr(bias1)
-    p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
-    p.recv_channel_prefix, p.send_head = recv_channel_prefix.data_ptr(), ptr(send_head)
-    p.combined_x, p.combined_weights = ptr(combined_x), ptr(combined_weights)
-    p.num_tokens, p.num_chunks, p.tokens_per_chunk = num_tokens, chunks, plan.tokens_per_chunk(num_tokens, chunks)
-    p.num_topk = num_topk
-    p.trace = _TRACE.zeroed(gb.device_index, geometry.blocks) if trace else 0
-    launch_1d(gb, geometry.kernel, geometry.blocks, plan.THREADS, p)
+    params = planned.params
+    params.x, params.topk_weights = ptr(x), ptr(topk_weights)
+    params.bias0, params.bias1 = ptr(bias0), ptr(bias1)
+    params.rank_prefix, params.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
+    params.recv_channel_prefix, params.send_head = recv_channel_prefix.data_ptr(), ptr(send_head)
+    params.combined_x, params.combined_weights = ptr(combined_x), ptr(combined_weights)
+    params.num_tokens, params.num_chunks = num_tokens, chunks
+    params.tokens_per_chunk = plan.tokens_per_chunk(num_tokens, chunks)
+    params.num_topk = num_topk
+    params.trace = _TRACE.zeroed(gb.device_index, planned.blocks) if trace else 0
+    launch_1d(gb, planned.kernel, planned.blocks, plan.THREADS, params)
     return combined_x, combined_weights
