@@ -29,8 +29,7 @@ G comes from Config.num_sms (internode_plan.num_chunks) and must be equal on eve
 """
 from __future__ import annotations
 
-import weakref
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -38,7 +37,7 @@ from ..backend import DispatchResult, InternodeHandle, named
 from ..runtime.compiler import KernelSource
 from ..runtime.status import register_op
 from . import internode_plan as plan
-from ._common import INDEX_TYPES, aligned, backend_kernel, host_ints, launch_1d, ptr
+from ._common import INDEX_TYPES, aligned, backend_kernel, host_ints, launch_1d, plan_for, ptr
 
 DISPATCH_OP = register_op("internode dispatch", plan.PHASES)
 COMBINE_OP = register_op("internode combine", plan.PHASES)
@@ -98,30 +97,91 @@ def _check_notify_fits(gb, num_local_experts: int, what: str) -> None:
                          f"count exchange of {gb.num_ranks} ranks needs (Config.get_rdma_buffer_size_hint)")
 
 
-# Per RDMA buffer: [R] int64 device table of every rank's copy as this process addresses it. The
-# kernels take their own entry as `base` and hand addresses derived from it to NVSHMEM puts, which
-# translate them relative to the symmetric heap: so the own entry is the heap address itself
-# (buffer.ptr), whatever mapping nvshmem_ptr gives for this PE. Ranks of other nodes are null
-# unless the Buffer was built with allow_mnnvl=True: then a mapped one (multi-node NVLink, or
-# "nodes" on one host) is written in place instead of through a put.
-_PEER_BASES: "weakref.WeakKeyDictionary[object, torch.Tensor]" = weakref.WeakKeyDictionary()
+# ---- plans -------------------------------------------------------------------------------------
+class PeerTableSpec(NamedTuple):
+    """The [R] int64 device table of every rank's RDMA buffer as this process addresses it. The
+    kernels take their own entry as `base` and hand addresses derived from it to NVSHMEM puts, which
+    translate them relative to the symmetric heap: so the own entry is the heap address itself
+    (buffer.ptr), whatever mapping nvshmem_ptr gives for this PE. Ranks of other nodes are null
+    unless the Buffer was built with allow_mnnvl=True: then a mapped one (multi-node NVLink, or
+    "nodes" on one host) is written in place instead of through a put."""
 
 
-def _peer_bases(gb) -> int:
-    rdma = gb.rdma
-    table = _PEER_BASES.get(rdma)
-    if table is None:
-        local, node = gb.num_local_ranks, gb.rank // gb.num_local_ranks
-        mnnvl = bool(gb.options.get("allow_mnnvl", False))
-        bases = [ptr if mnnvl or r // local == node else 0 for r, ptr in enumerate(rdma.peer_ptrs)]
-        bases[gb.rank] = rdma.ptr
-        table = _PEER_BASES[rdma] = torch.tensor(bases, dtype=torch.int64, device=gb.device)
-    return table.data_ptr()
+def _peer_table(gb, spec: PeerTableSpec) -> torch.Tensor:
+    rdma, local, node = gb.rdma, gb.num_local_ranks, gb.rank // gb.num_local_ranks
+    mnnvl = bool(gb.options.get("allow_mnnvl", False))
+    bases = [address if mnnvl or r // local == node else 0 for r, address in enumerate(rdma.peer_ptrs)]
+    bases[gb.rank] = rdma.ptr
+    return torch.tensor(bases, dtype=torch.int64, device=gb.device)
 
 
-def _dispatch_layout(gb, row_bytes: int, num_scales: int, num_topk: int) -> plan.DispatchLayout:
-    record = plan.dispatch_record_bytes(row_bytes, num_scales, num_topk, gb.num_local_ranks)
-    return plan.DispatchLayout(gb.rdma.nbytes, gb.num_ranks, gb.num_local_ranks, record)
+def peer_table(gb) -> torch.Tensor:
+    return plan_for(gb, PeerTableSpec(), _peer_table)
+
+
+class NotifySpec(NamedTuple):
+    """The notify kernel depends on the Buffer alone."""
+
+
+class DispatchSpec(NamedTuple):
+    row_bytes: int
+    num_scales: int
+    num_topk: int
+    index_type: str
+    fresh: bool
+
+
+class CombineSpec(NamedTuple):
+    row_bytes: int
+
+
+class _Plan:
+    """A kernel, the buffer layout of its calls and its Params `template` with the fields fixed for
+    the spec set: a call fills a copy (a ctypes copy is cheaper than building the struct, and no
+    field of an earlier call can leak into it)."""
+    __slots__ = ("kernel", "layout", "template")
+
+    def __init__(self, kernel, layout, template):
+        self.kernel, self.layout, self.template = kernel, layout, template
+
+    def params(self):
+        return self.template.__class__.from_buffer_copy(self.template)
+
+
+def _fixed_fields(gb, op: int) -> dict:
+    return dict(peer_bases=peer_table(gb).data_ptr(), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
+                rank=gb.rank, op=op)
+
+
+def _notify_plan(gb, spec: NotifySpec) -> _Plan:
+    num_ranks, num_local = gb.num_ranks, gb.num_local_ranks
+    area, stage, _ = plan.notify_offsets(num_ranks, num_ranks // num_local)
+    template = plan.NotifyParams(area_offset=area, stage_offset=stage, notify_ints=plan.notify_ints(num_ranks),
+                                 **_fixed_fields(gb, DISPATCH_OP))
+    return _Plan(_kernel(gb, plan.notify_kernel(num_ranks, num_local)), None, template)
+
+
+def _dispatch_plan(gb, spec: DispatchSpec) -> _Plan:
+    num_ranks, num_local = gb.num_ranks, gb.num_local_ranks
+    record = plan.dispatch_record_bytes(spec.row_bytes, spec.num_scales, spec.num_topk, num_local)
+    layout = plan.DispatchLayout(gb.rdma.nbytes, num_ranks, num_local, record)
+    name = plan.dispatch_kernel(num_ranks, num_local, spec.row_bytes, spec.num_scales, spec.index_type,
+                                spec.fresh)
+    template = plan.DispatchParams(recv_offset=layout.recv_offset, stage_offset=layout.stage_offset,
+                                   capacity=layout.capacity, record_bytes=layout.record_bytes,
+                                   num_topk=spec.num_topk, **_fixed_fields(gb, DISPATCH_OP))
+    return _Plan(_kernel(gb, name), layout, template)
+
+
+def _combine_plan(gb, spec: CombineSpec) -> _Plan:
+    num_ranks, num_local = gb.num_ranks, gb.num_local_ranks
+    layout = plan.CombineLayout(gb.rdma.nbytes, num_ranks, num_local, spec.row_bytes)
+    template = plan.CombineParams(
+        push_offset=layout.push_offset, partial_stage_offset=layout.partial_stage_offset,
+        partial_recv_offset=layout.partial_recv_offset, capacity=layout.capacity,
+        push_bytes=layout.push_bytes, partial_bytes=layout.partial_bytes,
+        chunk_records=layout.chunk_records, **_fixed_fields(gb, COMBINE_OP))
+    return _Plan(_kernel(gb, plan.combine_kernel(num_ranks, num_local, spec.row_bytes)), layout, template)
 
 
 # The largest N of all ranks, by handle, where the host read it (exact-mode dispatch). Every rank
@@ -171,7 +231,8 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         num_local_experts = num_tokens_per_expert.shape[0] // num_ranks
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
         index_type = INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
-        layout = _dispatch_layout(gb, row_bytes, num_scales, num_topk)
+        planned = plan_for(gb, DispatchSpec(row_bytes, num_scales, num_topk, index_type, True), _dispatch_plan)
+        layout = planned.layout
         _check_notify_fits(gb, num_local_experts, what)
         # No capacity check on this rank's N here: the other ranks would launch notify and wait.
         # num_worst_tokens: the data kernel checks the largest N of all ranks (fits_capacity);
@@ -201,10 +262,9 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         topk_idx = topk_weights = None
         num_out_rows = handle.recv_src_meta.shape[0]   # exact M, or num_worst_tokens of the fresh call
         chunks = handle.rdma_channel_prefix_matrix.shape[1] - 1
-        layout = _dispatch_layout(gb, row_bytes, num_scales, 0)
+        planned = plan_for(gb, DispatchSpec(row_bytes, num_scales, 0, "int", False), _dispatch_plan)
+        layout = planned.layout
         _check_known_capacity(handle, what, layout.capacity, gb.rdma.nbytes, f"{layout.record_bytes}-byte records")
-    name = plan.dispatch_kernel(num_ranks, num_local, row_bytes, num_scales, index_type, fresh)
-    kernel = _kernel(gb, name)
 
     recv_x = torch.empty((num_out_rows, hidden), dtype=x.dtype, device=device)
     recv_scales = None if x_scales is None else \
@@ -214,24 +274,23 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         recv_topk_idx = torch.empty((num_out_rows, num_topk), dtype=topk_idx.dtype, device=device)
         recv_topk_weights = torch.empty((num_out_rows, num_topk), dtype=torch.float32, device=device)
 
-    params = plan.DispatchParams(
-        x=ptr(x), x_scales=ptr(x_scales), topk_idx=ptr(topk_idx), topk_weights=ptr(topk_weights),
-        rdma_channel_prefix=handle.rdma_channel_prefix_matrix.data_ptr(),
-        recv_rdma_channel_prefix=handle.recv_rdma_channel_prefix_matrix.data_ptr(),
-        recv_gbl_rank_prefix_sum=handle.recv_gbl_rank_prefix_sum.data_ptr(),
-        send_rdma_head=ptr(handle.send_rdma_head), send_nvl_head=ptr(handle.send_nvl_head),
-        recv_x=ptr(recv_x), recv_x_scales=ptr(recv_scales),
-        recv_topk_idx=ptr(recv_topk_idx), recv_topk_weights=ptr(recv_topk_weights),
-        recv_src_meta=ptr(handle.recv_src_meta) if fresh else 0, max_tokens=_max_tokens_ptr(handle, num_ranks),
-        peer_bases=_peer_bases(gb), err=gb.status.device_ptr,
-        scale_stride_token=x_scales.stride(0) if x_scales is not None else 0,
-        scale_stride_group=x_scales.stride(1) if x_scales is not None else 0,
-        timeout_ns=gb.timeout_ns, recv_offset=layout.recv_offset, stage_offset=layout.stage_offset,
-        capacity=layout.capacity, record_bytes=layout.record_bytes, num_tokens=num_tokens,
-        num_chunks=chunks, tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
-        num_topk=num_topk, num_local_experts=num_local_experts, num_out_rows=num_out_rows,
-        rank=gb.rank, op=DISPATCH_OP)
-    launch_1d(gb, kernel, config.num_sms, plan.THREADS, params)
+    params = planned.params()
+    params.x, params.x_scales = ptr(x), ptr(x_scales)
+    params.topk_idx, params.topk_weights = ptr(topk_idx), ptr(topk_weights)
+    params.rdma_channel_prefix = handle.rdma_channel_prefix_matrix.data_ptr()
+    params.recv_rdma_channel_prefix = handle.recv_rdma_channel_prefix_matrix.data_ptr()
+    params.recv_gbl_rank_prefix_sum = handle.recv_gbl_rank_prefix_sum.data_ptr()
+    params.send_rdma_head, params.send_nvl_head = ptr(handle.send_rdma_head), ptr(handle.send_nvl_head)
+    params.recv_x, params.recv_x_scales = ptr(recv_x), ptr(recv_scales)
+    params.recv_topk_idx, params.recv_topk_weights = ptr(recv_topk_idx), ptr(recv_topk_weights)
+    params.recv_src_meta = ptr(handle.recv_src_meta) if fresh else 0
+    params.max_tokens = _max_tokens_ptr(handle, num_ranks)
+    if x_scales is not None:
+        params.scale_stride_token, params.scale_stride_group = x_scales.stride()
+    params.num_tokens, params.num_chunks = num_tokens, chunks
+    params.tokens_per_chunk = plan.tokens_per_chunk(num_tokens, chunks)
+    params.num_local_experts, params.num_out_rows = num_local_experts, num_out_rows
+    launch_1d(gb, planned.kernel, config.num_sms, plan.THREADS, params)
 
     if not fresh:
         return DispatchResult(recv_x, recv_scales, None, None, None, None)
@@ -255,16 +314,16 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
                recv_rdma_rank_prefix_sum=ints(num_nodes), recv_gbl_channel_prefix=ints(num_ranks, 1),
                recv_gbl_rank_prefix_sum=ints(num_ranks), send_rdma_head=ints(num_tokens, num_nodes),
                send_nvl_head=ints(num_tokens, num_ranks))
-    area, stage, _ = plan.notify_offsets(num_ranks, num_nodes)
-    params = plan.NotifyParams(
-        is_token_in_rank=ptr(is_token_in_rank), num_tokens_per_expert=ptr(num_tokens_per_expert),
-        peer_bases=_peer_bases(gb), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
-        area_offset=area, stage_offset=stage, num_tokens=num_tokens, num_chunks=chunks,
-        tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
-        num_local_experts=num_local_experts, notify_ints=plan.notify_ints(num_ranks), num_topk=num_topk,
-        num_scales=num_scales, row_bytes=row_bytes, rank=gb.rank, op=DISPATCH_OP,
-        **{k: ptr(v) for k, v in out.items()})
-    launch_1d(gb, _kernel(gb, plan.notify_kernel(num_ranks, num_local)), 1, plan.NOTIFY_THREADS, params)
+    planned = plan_for(gb, NotifySpec(), _notify_plan)
+    params = planned.params()
+    params.is_token_in_rank, params.num_tokens_per_expert = ptr(is_token_in_rank), ptr(num_tokens_per_expert)
+    for name, tensor in out.items():
+        setattr(params, name, ptr(tensor))
+    params.num_tokens, params.num_chunks = num_tokens, chunks
+    params.tokens_per_chunk = plan.tokens_per_chunk(num_tokens, chunks)
+    params.num_local_experts, params.num_topk = num_local_experts, num_topk
+    params.num_scales, params.row_bytes = num_scales, row_bytes
+    launch_1d(gb, planned.kernel, 1, plan.NOTIFY_THREADS, params)
     return out
 
 
@@ -302,30 +361,27 @@ def combine(gb, x, handle, topk_weights, bias, config):
     x, topk_weights = aligned(x.contiguous()), aligned(topk_weights)
     bias0, bias1 = (aligned(b) for b in bias)
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-    layout = plan.CombineLayout(gb.rdma.nbytes, num_ranks, num_local, hidden * 2)
+    planned = plan_for(gb, CombineSpec(hidden * 2), _combine_plan)
+    layout = planned.layout
     # This rank's N alone is no collective-safe check (the others would launch and wait): the
     # largest N of all ranks, on the host where known, else on the device (fits_capacity).
     _check_known_capacity(handle, what, layout.capacity, gb.rdma.nbytes,
                           f"{layout.push_bytes}-byte rows per local rank and {layout.partial_bytes}-byte "
                           f"partial sums")
-    kernel = _kernel(gb, plan.combine_kernel(num_ranks, num_local, hidden * 2))
 
     combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
     combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device) \
         if num_topk else None
-    params = plan.CombineParams(
-        x=ptr(x), topk_weights=ptr(topk_weights), bias0=ptr(bias0), bias1=ptr(bias1),
-        recv_src_meta=ptr(handle.recv_src_meta),
-        recv_gbl_rank_prefix_sum=handle.recv_gbl_rank_prefix_sum.data_ptr(),
-        recv_rdma_channel_prefix=handle.recv_rdma_channel_prefix_matrix.data_ptr(),
-        send_rdma_head=ptr(handle.send_rdma_head),
-        combined_x=ptr(combined_x), combined_weights=ptr(combined_weights),
-        max_tokens=_max_tokens_ptr(handle, num_ranks), peer_bases=_peer_bases(gb), err=gb.status.device_ptr,
-        timeout_ns=gb.timeout_ns,
-        push_offset=layout.push_offset, partial_stage_offset=layout.partial_stage_offset,
-        partial_recv_offset=layout.partial_recv_offset, capacity=layout.capacity,
-        push_bytes=layout.push_bytes, partial_bytes=layout.partial_bytes,
-        chunk_records=layout.chunk_records, num_tokens=num_tokens,
-        num_chunks=handle.rdma_channel_prefix_matrix.shape[1] - 1, num_topk=num_topk, rank=gb.rank, op=COMBINE_OP)
-    launch_1d(gb, kernel, config.num_sms, plan.THREADS, params)
+    params = planned.params()
+    params.x, params.topk_weights = ptr(x), ptr(topk_weights)
+    params.bias0, params.bias1 = ptr(bias0), ptr(bias1)
+    params.recv_src_meta = ptr(handle.recv_src_meta)
+    params.recv_gbl_rank_prefix_sum = handle.recv_gbl_rank_prefix_sum.data_ptr()
+    params.recv_rdma_channel_prefix = handle.recv_rdma_channel_prefix_matrix.data_ptr()
+    params.send_rdma_head = ptr(handle.send_rdma_head)
+    params.combined_x, params.combined_weights = ptr(combined_x), ptr(combined_weights)
+    params.max_tokens = _max_tokens_ptr(handle, num_ranks)
+    params.num_tokens, params.num_topk = num_tokens, num_topk
+    params.num_chunks = handle.rdma_channel_prefix_matrix.shape[1] - 1
+    launch_1d(gb, planned.kernel, config.num_sms, plan.THREADS, params)
     return combined_x, combined_weights
