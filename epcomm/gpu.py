@@ -161,7 +161,7 @@ class GpuBackend(Backend):
         self._require_usable()
         from .ops import layout
         return layout.get_dispatch_layout(topk_idx, num_experts, self.num_ranks, self.num_local_ranks,
-                                          self.arch.feature)
+                                          self.arch.feature, backend=self)
 
     def _normal_mode(self):
         self._require_usable()

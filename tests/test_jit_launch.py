@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+import types
 
 import pytest
 
@@ -213,16 +214,17 @@ def test_layout_host_path_is_allocations_and_one_launch(fake, monkeypatch):
     k, e = 4, 64
     kernel = launch.Kernel("layout", "_ZN6epcomm13layout_kernelILi4ELi64ELi4ELi2ExLi16ELi512EEEvNS_12LayoutParamsE",
                            function=0x1000, context=0xC0, device_index=0, num_sms=132)
-    monkeypatch.setattr(layout, "_PLANS", {})
     monkeypatch.setattr(layout, "current_stream", lambda device_index: 0x77)
+    backend = types.SimpleNamespace(plans={layout.LayoutSpec: {}})   # plans made here, for CPU tensors
     for n, ranks, local, blocks in ((100, 4, 2, 1), (4096, 4, 2, 8), (100_000, 4, 4, 132)):
         topk_idx = torch.zeros(n, k, dtype=torch.int64)
-        key = (k, e, ranks, local, torch.int64, -1, None, topk_idx.data_ptr() % 16)
-        layout._PLANS[key] = layout._Plan(kernel, 4 * (e + ranks + ranks // local), torch.device("cpu"),
-                                          ranks // local, 132)
+        spec = layout.LayoutSpec(k, e, ranks, local, torch.int64, -1, None, topk_idx.data_ptr() % 16)
+        backend.plans[layout.LayoutSpec][spec] = layout._Plan(kernel, 4 * (e + ranks + ranks // local),
+                                                              torch.device("cpu"), ranks // local, 132)
         launches = read(fake, "launches")
         with CountOps() as counted:
-            per_rank, per_node, per_expert, in_rank = layout.get_dispatch_layout(topk_idx, e, ranks, local)
+            per_rank, per_node, per_expert, in_rank = layout.get_dispatch_layout(topk_idx, e, ranks, local,
+                                                                                 backend=backend)
         nodes = ranks // local
         assert counted.ops == ["aten.new_empty.default"] * (3 + (nodes > 1)), (n, counted.ops)
         assert read(fake, "launches") == launches + 1

@@ -217,7 +217,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
              num_worst_tokens, config) -> DispatchResult:
     """Backend.dispatch for ranks over several nodes (arguments validated by Buffer)."""
     what, fresh = "dispatch", handle is None
-    num_ranks, num_local, device = gb.num_ranks, gb.num_local_ranks, gb.device
+    num_ranks, device = gb.num_ranks, gb.device
     _check_buffer(gb, config, what)
     if fresh and num_worst_tokens == 0 and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{what}: an exact-size dispatch reads the received counts on the host, "
@@ -346,7 +346,7 @@ def combine(gb, x, handle, topk_weights, bias, config):
     """Backend.combine: unweighted fp32 sum of the rows each token sent out, plus bias (local ranks
     summed per node first, then nodes ascending: epcomm.reference.oracle.combine)."""
     what = "combine"
-    num_ranks, num_local, device = gb.num_ranks, gb.num_local_ranks, gb.device
+    num_ranks, device = gb.num_ranks, gb.device
     _check_buffer(gb, config, what)
     handle = named(InternodeHandle, handle)
     num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]

@@ -9,14 +9,15 @@ plan fixes (dtype, device, K, E, R, L, the load width) is checked once, when the
 from __future__ import annotations
 
 import ctypes
-from typing import Dict, List, Optional, Tuple
+from types import SimpleNamespace
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..runtime.arch import device_arch
 from ..runtime.compiler import KernelSource
 from ..runtime.module import get_kernel
-from ._common import INDEX_TYPES, current_stream
+from ._common import INDEX_TYPES, current_stream, plan_for
 
 THREADS = 512
 # Up to this many tokens one block does everything (no global atomics, plain launch); above it the
@@ -76,15 +77,27 @@ class _Plan:
         self.flags = torch.empty(0, dtype=_BOOL, device=device)
 
 
-# (K, E, R, L, index dtype, device index, feature or None, topk_idx address % 16) -> _Plan
-_PLANS: Dict[tuple, _Plan] = {}
+class LayoutSpec(NamedTuple):
+    num_topk: int
+    num_experts: int
+    num_ranks: int
+    num_local_ranks: int
+    index_dtype: torch.dtype
+    device_index: int            # -1: not a CUDA tensor (the build rejects it)
+    feature: Optional[int]
+    misalignment: int            # topk_idx's address % 16: the load width depends on it
 
 
-def _make_plan(key: tuple, topk_idx: torch.Tensor) -> _Plan:
-    num_topk, num_experts, num_ranks, num_local_ranks, dtype, device_index, feature, misalign = key
-    if dtype not in INDEX_TYPES or not topk_idx.is_cuda:
+# The plan cache of callers without a Buffer (tests, benchmarks); a GpuBackend passes itself.
+_NO_BACKEND = SimpleNamespace(plans={})
+
+
+def _make_plan(owner, spec: LayoutSpec) -> _Plan:
+    num_topk, num_experts, num_ranks, num_local_ranks, dtype, device_index, feature, misalign = spec
+    if dtype not in INDEX_TYPES or device_index < 0:
+        device = f"cuda:{device_index}" if device_index >= 0 else "cpu"
         raise ValueError(f"get_dispatch_layout: topk_idx must be a 2-D int64/int32 CUDA tensor, got "
-                         f"{dtype} {tuple(topk_idx.shape)} on {topk_idx.device}")
+                         f"{dtype} with {num_topk} columns on {device}")
     if num_topk < 1:
         raise ValueError("get_dispatch_layout: topk_idx needs at least one column")
     if num_ranks < 1 or num_local_ranks < 1 or num_ranks % num_local_ranks:
@@ -97,7 +110,7 @@ def _make_plan(key: tuple, topk_idx: torch.Tensor) -> _Plan:
     if smem > 200 * 1024:
         raise ValueError(f"get_dispatch_layout: {num_experts} experts need more shared memory than "
                          f"a block has (4 bytes per expert, at most ~50k experts)")
-    load_bytes = _load_bytes(num_topk * topk_idx.element_size(), misalign)
+    load_bytes = _load_bytes(num_topk * dtype.itemsize, misalign)
     arch = device_arch(device_index)
     src = layout_source(num_topk, num_experts, num_ranks, num_local_ranks, dtype, load_bytes)
     kernel = get_kernel(src, 0, device_index, feature or arch.feature)
@@ -105,20 +118,19 @@ def _make_plan(key: tuple, topk_idx: torch.Tensor) -> _Plan:
     # A cooperative grid must be co-resident: at most one block per SM, fewer if even that
     # does not fit (Kernel.launch checks it again).
     max_blocks = max(1, min(arch.num_sms, kernel.max_active_blocks_per_sm(THREADS, smem) * arch.num_sms))
-    plan = _PLANS[key] = _Plan(kernel, smem, torch.device("cuda", device_index),
-                               num_ranks // num_local_ranks, max_blocks)
-    return plan
+    return _Plan(kernel, smem, torch.device("cuda", device_index), num_ranks // num_local_ranks, max_blocks)
 
 
 def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
-                        num_local_ranks: int, feature: Optional[int] = None
+                        num_local_ranks: int, feature: Optional[int] = None, backend=None
                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """topk_idx [N, K] int64/int32 CUDA, -1 = no expert ->
     (num_tokens_per_rank [R] i32, num_tokens_per_rdma_rank [R / num_local_ranks] i32 or None when
     num_ranks == num_local_ranks, num_tokens_per_expert [E] i32, is_token_in_rank [N, R] bool).
     A token counts once per rank and once per node; per expert, once per top-k slot.
     `feature` (80/90) overrides the device's feature set for this call (tests); None reads
-    EPCOMM_ARCH / the device's at each call."""
+    EPCOMM_ARCH / the device's at each call. `backend`: the GpuBackend whose plans hold this call's
+    (None: this module's own, for callers without a Buffer)."""
     if topk_idx.dim() != 2:
         raise ValueError(f"get_dispatch_layout: topk_idx must be a 2-D int64/int32 CUDA tensor, got "
                          f"{topk_idx.dtype} {tuple(topk_idx.shape)} on {topk_idx.device}")
@@ -129,9 +141,9 @@ def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     address = topk_idx.data_ptr()
     if feature is None:
         feature = device_arch(device_index).feature if device_index >= 0 else None
-    key = (num_topk, num_experts, num_ranks, num_local_ranks, topk_idx.dtype, device_index, feature,
-           address & 15)
-    plan = _PLANS.get(key) or _make_plan(key, topk_idx)
+    spec = LayoutSpec(num_topk, num_experts, num_ranks, num_local_ranks, topk_idx.dtype, device_index, feature,
+                      address & 15)
+    plan = plan_for(_NO_BACKEND if backend is None else backend, spec, _make_plan)
 
     counts, num_nodes = plan.counts, plan.num_nodes
     if num_tokens == 0:
