@@ -64,6 +64,7 @@ def test_dispatch_and_combine_fill_params_from_the_call_and_cache_their_plans(se
     assert [set(plans) for plans in gb.plans.values()] == [{
         low_latency.DispatchSpec(T, H, E, K, True, False, False, torch.int64, False),
         low_latency.DispatchSpec(T, H, E, K, False, False, False, torch.int64, False)}]
+    assert all(type(spec) is low_latency.DispatchSpec for spec in gb.plans[low_latency.DispatchSpec])
     for (grid, params, smem), result, buffer_set in zip(recorder.launched, results, (0, 1, 0)):
         assert grid == (8, 1, 1) and smem > 0
         assert params.x == x.data_ptr() and params.topk_idx == topk_idx.data_ptr() and params.num_tokens == 5

@@ -54,16 +54,18 @@ def launch_1d(gb, kernel, grid: int, threads: int, params) -> None:
     kernel.launch((grid, 1, 1), (threads, 1, 1), params, current_stream(gb.device_index))
 
 
-def plan_for(gb, spec, build):
-    """gb's plan for `spec`, made by build(gb, spec) at its first use. Every family plans this way:
-    a spec is a NamedTuple of what a plan depends on besides the Buffer (immutable and hashed in C:
-    the lookup is on every call's host path), a plan is the loaded kernel with its Params, the
-    fields fixed for the spec already set. The cache belongs to the backend (gb.plans), one dict per
-    spec type, as tuples of equal values compare equal whatever their type."""
-    plans = gb.plans.get(type(spec))
+def plan_for(gb, spec_type, values: tuple, build):
+    """gb's plan for the spec spec_type(*values), made by build(gb, spec) at its first use. Every
+    family plans this way: a spec is a NamedTuple of what a plan depends on besides the Buffer, a
+    plan is the loaded kernel with its Params, the fields fixed for the spec already set. The cache
+    belongs to the backend (gb.plans), one dict per spec type, keyed by the specs; a call looks its
+    plan up with the plain tuple of the values (equal to the spec, and no Python-level NamedTuple
+    construction on the per-call host path)."""
+    plans = gb.plans.get(spec_type)
     if plans is None:
-        plans = gb.plans[type(spec)] = {}
-    found = plans.get(spec)
+        plans = gb.plans[spec_type] = {}
+    found = plans.get(values)
     if found is None:
+        spec = spec_type._make(values)
         found = plans[spec] = build(gb, spec)
     return found

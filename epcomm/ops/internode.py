@@ -116,7 +116,7 @@ def _peer_table(gb, spec: PeerTableSpec) -> torch.Tensor:
 
 
 def peer_table(gb) -> torch.Tensor:
-    return plan_for(gb, PeerTableSpec(), _peer_table)
+    return plan_for(gb, PeerTableSpec, (), _peer_table)
 
 
 class NotifySpec(NamedTuple):
@@ -231,7 +231,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         num_local_experts = num_tokens_per_expert.shape[0] // num_ranks
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
         index_type = INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
-        planned = plan_for(gb, DispatchSpec(row_bytes, num_scales, num_topk, index_type, True), _dispatch_plan)
+        planned = plan_for(gb, DispatchSpec, (row_bytes, num_scales, num_topk, index_type, True), _dispatch_plan)
         layout = planned.layout
         _check_notify_fits(gb, num_local_experts, what)
         # No capacity check on this rank's N here: the other ranks would launch notify and wait.
@@ -262,7 +262,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         topk_idx = topk_weights = None
         num_out_rows = handle.recv_src_meta.shape[0]   # exact M, or num_worst_tokens of the fresh call
         chunks = handle.rdma_channel_prefix_matrix.shape[1] - 1
-        planned = plan_for(gb, DispatchSpec(row_bytes, num_scales, 0, "int", False), _dispatch_plan)
+        planned = plan_for(gb, DispatchSpec, (row_bytes, num_scales, 0, "int", False), _dispatch_plan)
         layout = planned.layout
         _check_known_capacity(handle, what, layout.capacity, gb.rdma.nbytes, f"{layout.record_bytes}-byte records")
 
@@ -314,7 +314,7 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
                recv_rdma_rank_prefix_sum=ints(num_nodes), recv_gbl_channel_prefix=ints(num_ranks, 1),
                recv_gbl_rank_prefix_sum=ints(num_ranks), send_rdma_head=ints(num_tokens, num_nodes),
                send_nvl_head=ints(num_tokens, num_ranks))
-    planned = plan_for(gb, NotifySpec(), _notify_plan)
+    planned = plan_for(gb, NotifySpec, (), _notify_plan)
     params = planned.params()
     params.is_token_in_rank, params.num_tokens_per_expert = ptr(is_token_in_rank), ptr(num_tokens_per_expert)
     for name, tensor in out.items():
@@ -361,7 +361,7 @@ def combine(gb, x, handle, topk_weights, bias, config):
     x, topk_weights = aligned(x.contiguous()), aligned(topk_weights)
     bias0, bias1 = (aligned(b) for b in bias)
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-    planned = plan_for(gb, CombineSpec(hidden * 2), _combine_plan)
+    planned = plan_for(gb, CombineSpec, (hidden * 2,), _combine_plan)
     layout = planned.layout
     # This rank's N alone is no collective-safe check (the others would launch and wait): the
     # largest N of all ranks, on the host where known, else on the device (fits_capacity).

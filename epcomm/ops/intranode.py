@@ -172,8 +172,8 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
         index_type = INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
         # Checks (ValueError) before anything is launched.
-        planned = plan_for(gb, DispatchSpec(config.num_sms, row_bytes, num_scales, num_topk, index_type,
-                                             num_local_experts, True, trace), _dispatch_plan)
+        planned = plan_for(gb, DispatchSpec, (config.num_sms, row_bytes, num_scales, num_topk, index_type,
+                                              num_local_experts, True, trace), _dispatch_plan)
         rank_prefix, channel_prefix, recv_channel_prefix, send_head, info = _notify(
             gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts, trace)
         expert_counts: List[int] = []
@@ -188,8 +188,8 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         num_local_experts, num_topk, index_type = 0, 0, "int"
         topk_idx = topk_weights = None
         num_out_rows = recv_src.shape[0]   # exact M, or num_worst_tokens of the fresh call
-        planned = plan_for(gb, DispatchSpec(config.num_sms, row_bytes, num_scales, 0, "int", 0, False, trace),
-                            _dispatch_plan)
+        planned = plan_for(gb, DispatchSpec, (config.num_sms, row_bytes, num_scales, 0, "int", 0, False, trace),
+                           _dispatch_plan)
 
     recv_x = torch.empty((num_out_rows, hidden), dtype=x.dtype, device=device)
     recv_scales = None if x_scales is None else \
@@ -276,7 +276,7 @@ def combine(gb, x, handle, topk_weights, bias, config):
     num_tokens, hidden = is_token_in_rank.shape[0], x.shape[1]
     chunks = channel_prefix.shape[1] - 1
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-    planned = plan_for(gb, CombineSpec(config.num_sms, hidden * 2, num_topk, trace), _combine_plan)
+    planned = plan_for(gb, CombineSpec, (config.num_sms, hidden * 2, num_topk, trace), _combine_plan)
 
     combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
     combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device) \

@@ -1,7 +1,7 @@
 """get_dispatch_layout on the GPU: one launch of cuda_src/layout.cu (see its header for the method).
 
 Outputs are allocated on the current torch stream and the kernel runs on it. The host path of a
-call is on the critical path of every MoE layer, so it is kept to: a dict lookup for the cached
+call is on the critical path of every MoE layer, so it is kept to: the backend's lookup of the cached
 plan (kernel, launch shape), the output allocations (three or four torch.empty: the kernel zeroes
 what it accumulates into, so there is no memset and no fill kernel) and one launch. Everything a
 plan fixes (dtype, device, K, E, R, L, the load width) is checked once, when the plan is made.
@@ -141,9 +141,8 @@ def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int
     address = topk_idx.data_ptr()
     if feature is None:
         feature = device_arch(device_index).feature if device_index >= 0 else None
-    spec = LayoutSpec(num_topk, num_experts, num_ranks, num_local_ranks, topk_idx.dtype, device_index, feature,
-                      address & 15)
-    plan = plan_for(_NO_BACKEND if backend is None else backend, spec, _make_plan)
+    key = (num_topk, num_experts, num_ranks, num_local_ranks, topk_idx.dtype, device_index, feature, address & 15)
+    plan = plan_for(_NO_BACKEND if backend is None else backend, LayoutSpec, key, _make_plan)
 
     counts, num_nodes = plan.counts, plan.num_nodes
     if num_tokens == 0:

@@ -2,7 +2,7 @@
 protocol is described), launched once per call, or twice with return_recv_hook (send part now,
 receive part in the hook). Buffer layout: epcomm/ops/low_latency_layout.py.
 
-The host path per call, kept to the minimum: one dict lookup for the kernel and its cached Params
+The host path per call, kept to the minimum: the backend's lookup of the kernel and its cached Params
 (one per buffer set, every call-independent field filled once), the outputs (the previous call's
 on this set when nothing refers to them any more, see _Outputs; otherwise one torch allocation each:
 5 for FP8 dispatch with the scales created column-major by empty_strided, 1 for combine, none with
@@ -316,9 +316,9 @@ class LowLatency:
                  use_ue8m0, return_recv_hook) -> LowLatencyDispatchResult:
         T, E = num_max_dispatch_tokens_per_rank, num_experts
         N, H = x.shape
-        spec = DispatchSpec(T, H, E, topk_idx.shape[1], use_fp8, use_fp8 and round_scale,
-                            use_fp8 and use_ue8m0, topk_idx.dtype, _tracing_on)
-        plan = plan_for(self.gb, spec, self._dispatch_plan)
+        key = (T, H, E, topk_idx.shape[1], use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0,
+               topk_idx.dtype, _tracing_on)
+        plan = plan_for(self.gb, DispatchSpec, key, self._dispatch_plan)
         buffer_set = self._set_for_call(plan)
         params, stream = plan.params[buffer_set], current_stream(self._device_index)
         pool = None if return_recv_hook or _capturing() else plan.outputs[buffer_set]
@@ -381,7 +381,7 @@ class LowLatency:
                                       "payload is not implemented; use BF16 (use_logfmt=False)")
         src_info, layout_range, T, H, E = handle
         N, K = topk_idx.shape
-        plan = plan_for(self.gb, CombineSpec(T, H, E, K, topk_idx.dtype, _tracing_on), self._combine_plan)
+        plan = plan_for(self.gb, CombineSpec, (T, H, E, K, topk_idx.dtype, _tracing_on), self._combine_plan)
         buffer_set = self._set_for_call(plan)
         params, stream = plan.params[buffer_set], current_stream(self._device_index)
         if out is None:
