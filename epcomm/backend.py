@@ -8,32 +8,67 @@ Buffer calls these with arguments it has already validated and normalised:
   * bias arrives as a 2-tuple (b0, b1), either None;
   * no event / stream arguments: the GPU backend launches on `torch.cuda.current_stream()`, which
     Buffer has set to its communication stream, and allocates outputs on the current stream too.
-Return values are plain tensors / lists; Buffer builds the public tuples and the EventOverlap.
+Return values are plain tensors / lists / named tuples; Buffer builds the public tuples and the
+EventOverlap (which holds every tensor of a result, found by walking its tuples).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
 
-@dataclass
-class DispatchResult:
+# Handles: NamedTuples, so still the tuples DeepEP's positions index; each backend documents what
+# its elements hold (epcomm/ops/intranode.py, internode.py; epcomm/reference/handles.py).
+class IntranodeHandle(NamedTuple):
+    rank_prefix_matrix: torch.Tensor
+    channel_prefix_matrix: torch.Tensor
+    recv_channel_prefix_matrix: torch.Tensor
+    recv_src_idx: torch.Tensor
+    is_token_in_rank: torch.Tensor
+    send_head: torch.Tensor
+
+
+class InternodeHandle(NamedTuple):
+    is_token_in_rank: torch.Tensor
+    rdma_channel_prefix_matrix: torch.Tensor
+    gbl_channel_prefix_matrix: torch.Tensor
+    recv_rdma_channel_prefix_matrix: torch.Tensor
+    recv_rdma_rank_prefix_sum: torch.Tensor
+    recv_gbl_channel_prefix_matrix: torch.Tensor
+    recv_gbl_rank_prefix_sum: torch.Tensor
+    recv_src_meta: torch.Tensor
+    send_rdma_head: torch.Tensor
+    send_nvl_head: torch.Tensor
+
+
+class LowLatencyHandle(NamedTuple):
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+
+
+def named(handle_type, handle: tuple):
+    """`handle` as a `handle_type` (a handle the caller rebuilt as a plain tuple gets its names back)."""
+    return handle if isinstance(handle, handle_type) else handle_type._make(handle)
+
+
+class DispatchResult(NamedTuple):
     recv_x: torch.Tensor                      # [M, H] bf16, or fp8 e4m3 when scales are given
     recv_x_scales: Optional[torch.Tensor]     # [M, H/128] float32 or None
     recv_topk_idx: Optional[torch.Tensor]     # [M, K] same dtype as topk_idx, local expert ids, -1 else
     recv_topk_weights: Optional[torch.Tensor]  # [M, K] float32, 0 where idx is -1
     num_recv_tokens_per_expert_list: Optional[List[int]]
-    handle: Optional[tuple]                   # intranode 6-tuple / internode 10-tuple
+    handle: Optional[tuple]                   # IntranodeHandle / InternodeHandle
 
 
-@dataclass
-class LowLatencyDispatchResult:
+class LowLatencyDispatchResult(NamedTuple):
     recv_x: torch.Tensor                      # [E_l, R*T, H] bf16 or fp8
     recv_x_scales: Optional[torch.Tensor]     # [E_l, R*T, H/128] f32 or [E_l, R*T, H/512] int32, col-major
     recv_count: torch.Tensor                  # [E_l] int32
-    handle: tuple                             # (src_info, layout_range, T, H, E)
+    handle: tuple                             # LowLatencyHandle
     hook: Optional[object]                    # callable when return_recv_hook, else None
 
 

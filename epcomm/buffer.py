@@ -19,6 +19,7 @@ from .config import (BUFFER_ALIGNMENT_BYTES, Config, align_buffer_bytes,
                      recommended)
 from .errors import BufferUnusable, EpcommError
 from .event import EventOverlap
+from .ops import low_latency_layout
 from .streams import AsyncScope, new_comm_stream, wait_previous
 from .validate import Call
 
@@ -183,7 +184,7 @@ class Buffer:
         self._internode = self._backend.num_ranks > self._backend.num_local_ranks
         self._comm = new_comm_stream(self._device)
         self._comm_stream = None if self._comm is None else self._comm.stream
-        self._low_latency_ops = None   # epcomm.ops.low_latency, imported by the first low-latency call
+        self._low_latency_checked = False   # the mode check passed (see _low_latency)
         self._low_latency_fits = set()   # (T, H, E) whose layout fits num_rdma_bytes
         self._low_latency_agreed = set()   # argument sets checked across ranks (_agreed_low_latency)
         self._handle_owner = object()   # marks the handles this Buffer returns (validate.Handle)
@@ -251,21 +252,18 @@ class Buffer:
         if self._normal_mode_problem is not None:
             raise ValueError(f"{c.op}: {self._normal_mode_problem}")
 
-    def _low_latency(self, c: Call, shape: Optional[Tuple[int, int, int]] = None):
-        """The low-latency ops module, after checking the Buffer's mode (and capacity for (T, H, E))."""
-        ops = self._low_latency_ops
-        if ops is None:
+    def _low_latency(self, c: Call, shape: Optional[Tuple[int, int, int]] = None) -> None:
+        """Check the Buffer's mode (and its capacity for (T, H, E))."""
+        if not self._low_latency_checked:
             c.require(self.low_latency_mode, "needs a Buffer built with low_latency_mode=True")
-            from .ops import low_latency
-            ops = self._low_latency_ops = low_latency
+            self._low_latency_checked = True
         if shape is not None and shape not in self._low_latency_fits:
-            need = int(ops.rdma_size_hint(shape[0], shape[1], self.group_size, shape[2]))
+            need = int(low_latency_layout.rdma_size_hint(shape[0], shape[1], self.group_size, shape[2]))
             c.require(need <= self.num_rdma_bytes,
                       f"num_max_dispatch_tokens_per_rank={shape[0]}, hidden={shape[1]}, num_experts={shape[2]} "
                       f"need num_rdma_bytes >= {need} (Buffer.get_low_latency_rdma_size_hint), this Buffer "
                       f"has {self.num_rdma_bytes}")
             self._low_latency_fits.add(shape)
-        return ops
 
     def _agreed_low_latency(self, c: Call, names: Tuple[str, ...], key: tuple) -> None:
         """First call with the argument set `key` (its first three: T, H, E): on the GPU, every rank
@@ -286,17 +284,22 @@ class Buffer:
             return validate.owned_handle(handle, self._handle_owner, num_tokens)
         return c.output(handle)
 
-    def _stream_order(self, c: Call, previous_event, async_finish, allocate_on_comm_stream
-                      ) -> Optional[AsyncScope]:
-        """After validation, for other than the default stream arguments (which the callers test
-        inline: the common case): None to run in place (synchronous; previous_event already waited
-        for, see epcomm.streams), else the AsyncScope to run in (async_finish)."""
+    def _run(self, c: Call, run: Callable, args: tuple, previous_event=None, async_finish=False,
+             allocate_on_comm_stream=False):
+        """run(*args) in the stream order the stream arguments ask for (epcomm.streams) -> (its
+        result, the call's EventOverlap). The default arguments, the common case, run it in place
+        with nothing around it; async_finish runs it on the comm stream, where AsyncScope.finish keeps
+        the tensors of args and of the result safe from the other stream's allocator."""
+        if previous_event is None and async_finish is False and allocate_on_comm_stream is False:
+            return run(*args), EventOverlap()
         previous_event, async_finish, _ = validate.stream_args(c, previous_event, async_finish,
                                                                allocate_on_comm_stream)
         if not async_finish:
             wait_previous(previous_event)
-            return None
-        return AsyncScope(self._comm, previous_event, self._backend.check_errors)
+            return run(*args), EventOverlap()
+        with AsyncScope(self._comm, previous_event, self._backend.check_errors) as scope:
+            result = run(*args)
+            return result, scope.finish(args, result)
 
     def _shrink(self, c: Call) -> None:
         self._low_latency(c)
@@ -345,8 +348,7 @@ class Buffer:
         c = Call("Buffer.get_low_latency_rdma_size_hint", torch.device("cpu"), 1)
         c.num_ranks = c.integer("num_ranks", num_ranks, minimum=1)
         t, h, e = validate.ll_shape(c, num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        from .ops import low_latency
-        return align_buffer_bytes(int(low_latency.rdma_size_hint(t, h, c.num_ranks, e)))
+        return align_buffer_bytes(int(low_latency_layout.rdma_size_hint(t, h, c.num_ranks, e)))
 
     # ---- buffer memory and lifetime ------------------------------------------------------------
     def get_comm_stream(self) -> Optional[torch.cuda.Stream]:
@@ -418,15 +420,8 @@ class Buffer:
         """
         c = self._begin("Buffer.get_dispatch_layout")
         topk_idx, num_experts = validate.layout_args(c, topk_idx, num_experts)
-        scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
-            else self._stream_order(c, previous_event, async_finish, allocate_on_comm_stream)
-        if scope is None:
-            outputs = self._backend.get_dispatch_layout(topk_idx, num_experts)
-            event = EventOverlap()
-        else:
-            with scope:
-                outputs = self._backend.get_dispatch_layout(topk_idx, num_experts)
-                event = scope.finish((topk_idx,), outputs)
+        outputs, event = self._run(c, self._backend.get_dispatch_layout, (topk_idx, num_experts),
+                                   previous_event, async_finish, allocate_on_comm_stream)
         return (*c.output(tuple(outputs)), event)
 
     def dispatch(self, x: Union[Tensor, FP8Pair], handle: Optional[Tuple] = None,
@@ -465,18 +460,11 @@ class Buffer:
             validate.handle_routing(c, args[2], self._internode, self.rank, self._backend.num_local_ranks)
         if type(config) is not Config:
             config = c.config("config", config, None) or self.get_dispatch_config(self.group_size)
-        scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
-            else self._stream_order(c, previous_event, async_finish, allocate_on_comm_stream)
-        if scope is None:
-            r = self._run_dispatch(c, args, config)
-            event = EventOverlap()
-        else:
-            with scope:
-                r = self._run_dispatch(c, args, config)
-                event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_topk_idx, r.recv_topk_weights,
-                                            r.handle))
-        recv_x = r.recv_x if args[1] is None else (r.recv_x, r.recv_x_scales)
-        if args[2] is not None:
+        r, event = self._run(c, self._run_dispatch, (c, args, config), previous_event, async_finish,
+                             allocate_on_comm_stream)
+        _, x_scales, handle = args[:3]
+        recv_x = r.recv_x if x_scales is None else (r.recv_x, r.recv_x_scales)
+        if handle is not None:   # cached mode
             return c.output(recv_x), None, None, None, None, event
         return (*c.output((recv_x, r.recv_topk_idx, r.recv_topk_weights)), r.num_recv_tokens_per_expert_list,
                 self._returned_handle(c, r.handle), event)
@@ -511,16 +499,9 @@ class Buffer:
             validate.handle_routing(c, handle, self._internode, self.rank, self._backend.num_local_ranks)
         if type(config) is not Config:
             config = c.config("config", config, None) or self.get_combine_config(self.group_size)
-        scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
-            else self._stream_order(c, previous_event, async_finish, allocate_on_comm_stream)
-        if scope is None:
-            combined_x, combined_topk_weights = self._backend.combine(x, handle, topk_weights, bias, config)
-            event = EventOverlap()
-        else:
-            with scope:
-                combined_x, combined_topk_weights = self._backend.combine(x, handle, topk_weights, bias, config)
-                event = scope.finish((x, handle, topk_weights, bias), (combined_x, combined_topk_weights))
-        return (*c.output((combined_x, combined_topk_weights)), event)
+        combined, event = self._run(c, self._backend.combine, (x, handle, topk_weights, bias, config),
+                                    previous_event, async_finish, allocate_on_comm_stream)
+        return (*c.output(tuple(combined)), event)
 
     # ---- low-latency mode ----------------------------------------------------------------------
     # Synchronous and hook calls run on the current stream (nothing to order, lowest latency);
@@ -557,24 +538,20 @@ class Buffer:
         c = self._begin("Buffer.low_latency_dispatch")
         if async_finish is not False or return_recv_hook is not False:
             async_finish, return_recv_hook = validate.exclusive_hook(c, async_finish, return_recv_hook)
-        low_latency = self._low_latency_ops or self._low_latency(c)
-        args = validate.ll_dispatch_args(c, low_latency.MAX_TOPK, x, topk_idx, num_max_dispatch_tokens_per_rank,
+        if not self._low_latency_checked:
+            self._low_latency(c)
+        args = validate.ll_dispatch_args(c, low_latency_layout.MAX_TOPK, x, topk_idx, num_max_dispatch_tokens_per_rank,
                                          num_experts, cumulative_local_expert_recv_stats,
                                          dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
-        key = (args[2], args[0].shape[1], args[3], args[1].shape[1], args[6], args[7], args[8])
+        x, _, num_max_tokens, num_experts, _, _, use_fp8, round_scale, use_ue8m0 = args[:9]
+        key = (num_max_tokens, x.shape[1], num_experts, args[1].shape[1], use_fp8, round_scale, use_ue8m0)
         if key not in self._low_latency_agreed:
             self._agreed_low_latency(c, _LL_DISPATCH_ARGUMENTS, key)
-        if not async_finish:
-            r = self._backend.low_latency_dispatch(*args, return_recv_hook)
-            event = EventOverlap()
-        else:
-            with AsyncScope(self._comm, None, self._backend.check_errors) as scope:
-                r = self._backend.low_latency_dispatch(*args, return_recv_hook)
-                event = scope.finish(args, (r.recv_x, r.recv_x_scales, r.recv_count, r.handle))
-        recv_x = (r.recv_x, r.recv_x_scales) if args[6] else r.recv_x
+        r, event = self._run(c, self._backend.low_latency_dispatch, (*args, return_recv_hook),
+                             async_finish=async_finish)
+        recv_x = (r.recv_x, r.recv_x_scales) if use_fp8 else r.recv_x
         hook = r.hook if r.hook is None else self._checked_hook(r.hook)
-        return (*c.output((recv_x, r.recv_count)), self._returned_handle(c, r.handle, args[0].shape[0]), event,
-                hook)
+        return (*c.output((recv_x, r.recv_count)), self._returned_handle(c, r.handle, x.shape[0]), event, hook)
 
     def low_latency_combine(self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, handle: Tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -595,36 +572,32 @@ class Buffer:
         c = self._begin("Buffer.low_latency_combine")
         if async_finish is not False or return_recv_hook is not False:
             async_finish, return_recv_hook = validate.exclusive_hook(c, async_finish, return_recv_hook)
-        low_latency = self._low_latency_ops or self._low_latency(c)
-        args = validate.ll_combine_args(c, low_latency.MAX_TOPK, x, topk_idx, topk_weights, handle, use_logfmt,
+        if not self._low_latency_checked:
+            self._low_latency(c)
+        args = validate.ll_combine_args(c, low_latency_layout.MAX_TOPK, x, topk_idx, topk_weights, handle, use_logfmt,
                                         zero_copy, out, combine_wait_recv_cost_stats, self._handle_owner)
-        if type(handle) is validate.Handle and handle.num_tokens not in (None, args[1].shape[0]):
+        if isinstance(handle, validate.Handle) and handle.num_tokens not in (None, args[1].shape[0]):
             raise c.error("topk_idx", f"must have the {handle.num_tokens} rows of the low_latency_dispatch that "
                                       f"made the handle, got {args[1].shape[0]}")
         key = (*args[3][2:], args[1].shape[1], args[4])
         if key not in self._low_latency_agreed:
             self._agreed_low_latency(c, _LL_COMBINE_ARGUMENTS, key)
         x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out_t, wait_stats = args
-        if not async_finish:
-            combined_x, hook = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt,
-                                                                 zero_copy, return_recv_hook, out_t, wait_stats)
-            event = EventOverlap()
-        else:
-            with AsyncScope(self._comm, None, self._backend.check_errors) as scope:
-                combined_x, hook = self._backend.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt,
-                                                                     zero_copy, return_recv_hook, out_t, wait_stats)
-                event = scope.finish(args, (combined_x,))
+        (combined_x, hook), event = self._run(
+            c, self._backend.low_latency_combine,
+            (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, return_recv_hook, out_t, wait_stats),
+            async_finish=async_finish)
         if hook is not None:
             hook = self._checked_hook(hook)
         # Hand the caller's own `out` object back, as DeepEP returns `out` itself.
-        result = out if out is not None and combined_x is args[6] else c.output(combined_x)
+        result = out if out is not None and combined_x is out_t else c.output(combined_x)
         return result, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: Tuple) -> Tensor:
         """The [E_l, R*T, H] bfloat16 view the next low_latency_combine(zero_copy=True) sends from."""
         c = self._begin("Buffer.get_next_low_latency_combine_buffer")
         handle = validate.ll_handle(c, handle, self._handle_owner)
-        self._low_latency(c, handle[2:])
+        self._low_latency(c, handle[2:])   # (T, H, E)
         return c.output(self._backend.get_next_low_latency_combine_buffer(handle))
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:

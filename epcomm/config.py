@@ -2,14 +2,17 @@
 `Buffer.get_dispatch_config` / `Buffer.get_combine_config`, and the buffer size hints.
 
 This module imports no torch: `Config` is plain data, hashable, so ops modules can key kernel
-specialisations on it. The size numbers come from the ops module that owns the buffer layout
-(`epcomm.ops.intranode.nvl_size_hint`, `epcomm.ops.internode.rdma_size_hint`), imported on first use.
+specialisations on it. The size numbers come from the planning module that owns the buffer layout
+(`epcomm.ops.intranode_plan.nvl_size_hint`, `epcomm.ops.internode_plan.rdma_size_hint`: pure
+formulas, no GPU launch code).
 """
 from __future__ import annotations
 
 import functools
 import operator
 from typing import Dict, Tuple
+
+from .ops import internode_plan, intranode_plan
 
 # DeepEP's convention: a hint for more ranks than this assumes ranks spread over several NVLink
 # domains (internode mode); up to this many, the RDMA buffer is not used by normal-mode calls.
@@ -106,8 +109,7 @@ class Config:
         `hidden_bytes` bytes (hidden * element size, scales not included) over `num_ranks` ranks."""
         hidden_bytes = _positive_int("Config.get_nvl_buffer_size_hint", "hidden_bytes", hidden_bytes)
         num_ranks = _positive_int("Config.get_nvl_buffer_size_hint", "num_ranks", num_ranks)
-        from .ops import intranode
-        return align_buffer_bytes(int(intranode.nvl_size_hint(self, hidden_bytes, num_ranks)))
+        return align_buffer_bytes(int(intranode_plan.nvl_size_hint(self, hidden_bytes, num_ranks)))
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of `num_rdma_bytes` that internode normal-mode calls need; 0 for at most
@@ -116,8 +118,7 @@ class Config:
         num_ranks = _positive_int("Config.get_rdma_buffer_size_hint", "num_ranks", num_ranks)
         if num_ranks <= NVLINK_DOMAIN_RANKS:
             return 0
-        from .ops import internode
-        return align_buffer_bytes(int(internode.rdma_size_hint(self, hidden_bytes, num_ranks)))
+        return align_buffer_bytes(int(internode_plan.rdma_size_hint(self, hidden_bytes, num_ranks)))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Config) and self._fields == other._fields

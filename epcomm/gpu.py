@@ -3,6 +3,7 @@ error record) and hands each operation to its module under epcomm.ops.
 
 State the ops modules may use (and nothing else of this class):
   rank, num_ranks, num_local_ranks, device (torch.device), device_index, arch (runtime.arch.Arch)
+  plans : the ops modules' plan cache (epcomm.ops._common.plan_for)
   nvl   : runtime.symmetric.SymmetricBuffer of num_nvl_bytes, or None
   rdma  : runtime.symmetric.SymmetricBuffer of num_rdma_bytes, or None
   status: runtime.status.StatusRecord (host-mapped ErrorRecord; .device_ptr, .check())
@@ -10,7 +11,7 @@ State the ops modules may use (and nothing else of this class):
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -18,38 +19,14 @@ from .backend import Backend
 from .errors import BufferUnusable, EpcommError
 
 
-def local_rank_count(host_keys: List[str]) -> int:
-    """Ranks per host, given each rank's host. Hosts must hold equally many ranks, numbered
-    contiguously (ranks 0..L-1 on the first host, ...), as DeepEP's NVLink/RDMA split assumes."""
-    runs: List[List] = []  # [host, count] per run of equal consecutive keys
-    for key in host_keys:
-        if runs and runs[-1][0] == key:
-            runs[-1][1] += 1
-        else:
-            runs.append([key, 1])
-    layout = ", ".join(f"{host.split('/')[0]} x{count}" for host, count in runs)
-    if len({host for host, _ in runs}) != len(runs):
-        raise ValueError(f"the ranks of each host must be contiguous in the group, got runs of "
-                         f"hosts: {layout}")
-    if len({count for _, count in runs}) != 1:
-        raise ValueError(f"every host must hold the same number of ranks, got {layout}")
-    return runs[0][1]
-
-
-def resolve_local_ranks(host_keys: List[str], overrides: List[Optional[int]]) -> int:
-    """Ranks per node: from the hosts, or EPCOMM_NUM_LOCAL_RANKS (`overrides`, by rank), which must
-    be equal on every rank and cut each host into whole nodes (a node never spans hosts: its ranks
-    talk over NVLink)."""
-    per_host = local_rank_count(host_keys)
-    if len(set(overrides)) != 1:
-        raise ValueError(f"EPCOMM_NUM_LOCAL_RANKS must be equal on every rank, got {overrides} (by rank)")
-    forced = overrides[0]
-    if forced is None:
-        return per_host
-    if per_host % forced:
-        raise ValueError(f"EPCOMM_NUM_LOCAL_RANKS={forced} must divide the {per_host} ranks of each host "
-                         f"(and so the {len(host_keys)} ranks of the group)")
-    return forced
+class _RankFacts(NamedTuple):
+    """What each rank tells the others before any collective allocation."""
+    host: str
+    num_nvl_bytes: int
+    num_rdma_bytes: int
+    low_latency_mode: bool
+    error: Optional[str]            # repr of this rank's setup failure, or None
+    forced_local_ranks: Optional[int]
 
 
 class GpuBackend(Backend):
@@ -60,7 +37,8 @@ class GpuBackend(Backend):
         import torch.distributed as dist
         from . import env
         from .runtime.arch import device_arch
-        from .runtime.nvshmem import Nvshmem, host_key
+        from .runtime.nvshmem import Nvshmem
+        from .runtime.topology import host_key, resolve_local_ranks
         from .runtime.status import StatusRecord
         from .runtime.symmetric import SymmetricBuffer
 
@@ -73,6 +51,7 @@ class GpuBackend(Backend):
         self.options = dict(options)
         self.timeout_ns = int(env.timeout_s() * 1e9)
         self.nvl = self.rdma = self._ll = self._normal_ops = self._poison = None
+        self.plans = {}   # the ops modules' plans: spec type -> {spec: plan} (ops._common.plan_for)
 
         local_error, status, forced_local_ranks = None, None, None
         try:
@@ -81,23 +60,24 @@ class GpuBackend(Backend):
             status = StatusRecord(self.device, on_failure=self._on_peer_failure)
         except Exception as e:  # re-raised below, after the other ranks have heard of it
             local_error = e
-        mine = (host_key(), num_nvl_bytes, num_rdma_bytes, self.low_latency_mode,
-                repr(local_error) if local_error else None, forced_local_ranks)
+        mine = _RankFacts(host_key(), num_nvl_bytes, num_rdma_bytes, self.low_latency_mode,
+                          repr(local_error) if local_error else None, forced_local_ranks)
         facts = [None] * self.num_ranks
         dist.all_gather_object(facts, mine, group=group)
         if local_error is not None:
             raise local_error
-        failed = [f"rank {r}: {f[4]}" for r, f in enumerate(facts) if f[4]]
+        failed = [f"rank {r}: {f.error}" for r, f in enumerate(facts) if f.error]
         if failed:
             status.free()
             raise EpcommError("GPU backend setup failed on other ranks: " + "; ".join(failed))
-        for index, what in ((1, "num_nvl_bytes"), (2, "num_rdma_bytes"), (3, "low_latency_mode")):
-            if len({f[index] for f in facts}) != 1:
+        for what in ("num_nvl_bytes", "num_rdma_bytes", "low_latency_mode"):
+            values = [getattr(f, what) for f in facts]
+            if len(set(values)) != 1:
                 status.free()
-                raise ValueError(f"{what} must be equal on every rank, got "
-                                 f"{[f[index] for f in facts]} (by rank)")
+                raise ValueError(f"{what} must be equal on every rank, got {values} (by rank)")
         try:
-            self.num_local_ranks = resolve_local_ranks([f[0] for f in facts], [f[5] for f in facts])
+            self.num_local_ranks = resolve_local_ranks([f.host for f in facts],
+                                                       [f.forced_local_ranks for f in facts])
         except ValueError:
             status.free()
             raise
@@ -167,6 +147,7 @@ class GpuBackend(Backend):
             return
         self._destroyed = True
         self._ll = None
+        self.plans = {}   # their Params point into the buffers freed below
         self.nvshmem.remove_teardown(self.destroy)
         if self.nvshmem.live and not self.nvshmem.peer_failed:
             self.nvshmem.barrier_all()  # no peer kernel may still write into what is freed next
@@ -180,7 +161,7 @@ class GpuBackend(Backend):
         self._require_usable()
         from .ops import layout
         return layout.get_dispatch_layout(topk_idx, num_experts, self.num_ranks, self.num_local_ranks,
-                                          self.arch.feature)
+                                          self.arch.feature, backend=self)
 
     def _normal_mode(self):
         self._require_usable()
@@ -233,7 +214,7 @@ class GpuBackend(Backend):
         if r.hook is None:
             self._poisoned().after(r.recv_x, r.recv_x_scales, r.recv_count)
         else:
-            r.hook = self._poisoned_hook(r.hook, r.recv_x, r.recv_x_scales, r.recv_count)
+            r = r._replace(hook=self._poisoned_hook(r.hook, r.recv_x, r.recv_x_scales, r.recv_count))
         return r
 
     def low_latency_combine(self, *args, **kwargs):

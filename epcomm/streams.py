@@ -35,14 +35,6 @@ import torch
 from .event import EventOverlap, stream_wait_event
 
 
-def _public_current_stream(device_index: int) -> int:
-    return torch.cuda.current_stream(device_index).cuda_stream
-
-
-# torch's raw current-stream query (an int, no Stream object) where the build has it.
-current_stream_handle = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _public_current_stream
-
-
 def tensors_in(items: Iterable) -> Iterator[torch.Tensor]:
     """The tensors among `items`, looking into tuples and lists (FP8 pairs, handles); None skipped."""
     for item in items:

@@ -205,24 +205,40 @@ class Call:
             from .runtime.dlpack import from_torch
             return from_torch(value, self.framework)
         if isinstance(value, (tuple, list)):
-            return type(value)(self.output(v) for v in value)
+            items = [self.output(v) for v in value]
+            make = getattr(type(value), "_make", None)   # a NamedTuple takes its fields one by one
+            return make(items) if make is not None else type(value)(items)
         return value
 
 
 # ---- handles -----------------------------------------------------------------------------------
 class Handle(tuple):
-    """A handle as a Buffer's dispatch returns it (normal or low-latency): a plain tuple to the
-    caller, marked with the Buffer's token (`owner`). Its elements were made by that Buffer's
-    backend, so when the tuple comes back to the same Buffer (combine, cached dispatch,
-    get_next_low_latency_combine_buffer) its tensors are not checked again. Changing them in place
-    (resize_, set_) is not supported; any other tuple (a copy, a slice, a list) is fully checked.
-    num_tokens: the N of the low-latency dispatch that made it (its combine must pass N rows)."""
+    """A handle as a Buffer's dispatch returns it (normal or low-latency): a tuple to the caller
+    (with the field names of the backend's handle type, epcomm.backend), marked with the Buffer's
+    token (`owner`). Its elements were made by that Buffer's backend, so when the tuple comes back
+    to the same Buffer (combine, cached dispatch, get_next_low_latency_combine_buffer) its tensors
+    are not checked again. Changing them in place (resize_, set_) is not supported; any other tuple
+    (a copy, a slice, a list) is fully checked. num_tokens: the N of the low-latency dispatch
+    that made it (its combine must pass N rows)."""
     owner = None
     num_tokens = None
 
+    def __reduce__(self):
+        # A pickled or copied handle comes back as the backend's type, unmarked (checked in full).
+        kind = type(self).__mro__[1]
+        return (kind._make, (tuple(self),)) if hasattr(kind, "_make") else (tuple, (tuple(self),))
+
+
+_MARKED_TYPES: dict = {}   # a backend's handle type -> its Handle subclass
+
 
 def owned_handle(handle: tuple, owner, num_tokens: Optional[int] = None) -> Handle:
-    marked = Handle(handle)
+    marked_type = _MARKED_TYPES.get(type(handle))
+    if marked_type is None:
+        kind = type(handle)
+        marked_type = _MARKED_TYPES[kind] = Handle if kind is tuple else \
+            type(kind.__name__, (kind, Handle), {"__module__": kind.__module__})
+    marked = tuple.__new__(marked_type, handle)
     marked.owner = owner
     if num_tokens is not None:
         marked.num_tokens = num_tokens
@@ -283,7 +299,7 @@ def dispatch_x(c: Call, x) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
 def normal_handle(c: Call, handle, internode: bool, owner=None) -> tuple:
     """The intranode 6-tuple or internode 10-tuple of dispatch, with the elements the contract fixes
     checked (the other elements belong to the mode's ops module); a Handle of `owner` as it is."""
-    if type(handle) is Handle and owner is not None and handle.owner is owner:
+    if isinstance(handle, Handle) and owner is not None and handle.owner is owner:
         return handle
     mode, length = ("an internode", 10) if internode else ("an intranode", 6)
     if not isinstance(handle, (tuple, list)):
@@ -541,7 +557,7 @@ def ll_dispatch_args(c: Call, max_topk: int, x, topk_idx, num_max_dispatch_token
 def ll_handle(c: Call, handle, owner=None) -> tuple:
     """(src_info [E_l, R*T] int32, layout_range [E_l, R] int64, T, H, E) of low_latency_dispatch;
     a Handle of `owner` as it is."""
-    if type(handle) is Handle and owner is not None and handle.owner is owner:
+    if isinstance(handle, Handle) and owner is not None and handle.owner is owner:
         return handle
     if not isinstance(handle, (tuple, list)) or len(handle) != 5:
         got = f"{len(handle)} elements" if isinstance(handle, (tuple, list)) else type(handle).__name__

@@ -1,7 +1,6 @@
 """Config, EventOverlap, the stream scope on CPU and the Buffer's static helpers (single process)."""
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
@@ -46,11 +45,10 @@ def test_config_rejects(kwargs, exc, words):
 
 
 def test_config_size_hints_delegate(monkeypatch):
-    import epcomm.ops
+    from epcomm.ops import intranode_plan
     calls = []
-    fake = types.SimpleNamespace(nvl_size_hint=lambda config, hb, r: calls.append((config, hb, r)) or 4000)
-    monkeypatch.setattr(epcomm.ops, "intranode", fake, raising=False)
-    monkeypatch.setitem(__import__("sys").modules, "epcomm.ops.intranode", fake)
+    monkeypatch.setattr(intranode_plan, "nvl_size_hint",
+                        lambda config, hb, r: calls.append((config, hb, r)) or 4000)
     config = Config(8)
     assert config.get_nvl_buffer_size_hint(7168 * 2, 4) == 4096   # rounded up to a valid Buffer size
     assert calls == [(config, 7168 * 2, 4)]
@@ -172,10 +170,8 @@ def test_capture_without_cuda_gives_an_empty_event():
 
 # ---- static hints ------------------------------------------------------------------------------
 def test_low_latency_size_hint_validates_then_delegates(monkeypatch):
-    import epcomm.ops
-    fake = types.SimpleNamespace(rdma_size_hint=lambda t, h, r, e: t * h * r * e + 1)
-    monkeypatch.setattr(epcomm.ops, "low_latency", fake, raising=False)
-    monkeypatch.setitem(__import__("sys").modules, "epcomm.ops.low_latency", fake)
+    from epcomm.ops import low_latency_layout
+    monkeypatch.setattr(low_latency_layout, "rdma_size_hint", lambda t, h, r, e: t * h * r * e + 1)
     # rounded up to a multiple of 128, so that it is a valid Buffer size as it is
     assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 288) == 128 * 7168 * 2 * 288 + 128
     for args, exc, words in [((0, 7168, 2, 288), ValueError, "num_max_dispatch_tokens_per_rank must be >= 1"),
@@ -190,3 +186,37 @@ def test_low_latency_size_hint_validates_then_delegates(monkeypatch):
 
 def test_topk_idx_t_is_the_layout_dtype():
     assert epcomm.topk_idx_t == torch.int64
+
+
+# ---- handles -----------------------------------------------------------------------------------
+def test_handles_are_named_tuples_at_deepep_positions():
+    """A returned handle keeps its backend type's field names and DeepEP's positions, is marked as
+    its Buffer's (so it is not checked again), and a copy or a pickle is the unmarked type."""
+    import copy
+    import pickle
+    from epcomm.backend import InternodeHandle, IntranodeHandle, LowLatencyHandle, named
+    from epcomm.validate import Handle, owned_handle
+    tensors = [torch.full((1,), float(i)) for i in range(10)]
+    intranode = IntranodeHandle(*tensors[:6])
+    assert intranode[3] is intranode.recv_src_idx and intranode[4] is intranode.is_token_in_rank
+    internode = InternodeHandle(*tensors)
+    assert internode[0] is internode.is_token_in_rank and internode[7] is internode.recv_src_meta
+    assert LowLatencyHandle(tensors[0], tensors[1], 128, 7168, 288)[2:] == (128, 7168, 288)
+    owner = object()
+    marked = owned_handle(internode, owner)
+    assert isinstance(marked, Handle) and isinstance(marked, InternodeHandle) and marked.owner is owner
+    assert tuple(marked) == tuple(internode) and marked.send_nvl_head is tensors[9]
+    for clone in (copy.copy(marked), pickle.loads(pickle.dumps(marked))):
+        assert type(clone) is InternodeHandle and not isinstance(clone, Handle)
+    assert named(IntranodeHandle, tuple(intranode)) == intranode
+    assert type(owned_handle((1, 2), owner)) is Handle
+
+
+def test_call_output_rebuilds_named_tuples_field_by_field():
+    from epcomm.backend import LowLatencyHandle
+    from epcomm.validate import Call
+    c = Call("Buffer.test", torch.device("cpu"), 1)
+    c.framework = "numpy-like"   # any non-torch framework walks the tuple; non-tensors pass through
+    handle = LowLatencyHandle(1, 2, 3, 4, 5)
+    assert c.output(handle) == handle and type(c.output(handle)) is LowLatencyHandle
+    assert c.output([1, (2, 3)]) == [1, (2, 3)]

@@ -157,8 +157,7 @@ def _case_cross_rank_mismatches(rank, world):
     # EPCOMM_NUM_LOCAL_RANKS: 1 on rank 0, R elsewhere
     os.environ["EPCOMM_NUM_LOCAL_RANKS"] = "1" if rank == 0 else str(R)
     try:
-        _raises(lambda: _buffer(_fresh_group()), ValueError, "num_local_ranks (EPCOMM_NUM_LOCAL_RANKS) must be "
-                                                              "equal on every rank")
+        _raises(lambda: _buffer(_fresh_group()), ValueError, "EPCOMM_NUM_LOCAL_RANKS must be equal on every rank")
     finally:
         del os.environ["EPCOMM_NUM_LOCAL_RANKS"]
 

@@ -365,7 +365,7 @@ def test_mnnvl_writes_other_nodes_in_place(dist_env, setup):
     rank, world = dist_env.rank, dist_env.world_size
     other_nodes = [r for r in range(world) if r // local != rank // local]
     errors = []
-    default_table = internode._PEER_BASES[default_buf._backend.rdma].cpu()   # built by the earlier tests' calls
+    default_table = internode.peer_table(default_buf._backend).cpu()
     if bool((default_table[other_nodes] != 0).any()):
         errors.append(f"default Buffer: other nodes' peer entries {default_table.tolist()} are not 0")
     buf = make_buffer(dist_env, local, rdma_bytes=1 << 30, mnnvl=True)
@@ -374,7 +374,7 @@ def test_mnnvl_writes_other_nodes_in_place(dist_env, setup):
         if not all(gb.rdma.peer_ptrs):
             errors.append("this test needs every rank's buffer mapped (one host)")
         errors += fp8_and_bf16_round_trip_errors(dist_env, buf, local, seed=83)
-        table = internode._PEER_BASES[gb.rdma].cpu()
+        table = internode.peer_table(gb).cpu()
         if bool((table == 0).any()):
             errors.append(f"allow_mnnvl: the kernels' peer table {table.tolist()} leaves ranks out")
         check(dist_env, errors, "allow_mnnvl")

@@ -24,7 +24,7 @@ def launches(monkeypatch):
     notify call's inputs (as the GPU would: N max, rank prefix, expert counts of this rank)."""
     calls = []
     monkeypatch.setattr(internode, "_kernel", lambda gb, name: name)
-    monkeypatch.setattr(internode, "_launch", lambda gb, kernel, grid, threads, params:
+    monkeypatch.setattr(internode, "launch_1d", lambda gb, kernel, grid, threads, params:
                         calls.append((kernel, grid, params)))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     return calls
@@ -40,7 +40,7 @@ def fake_backend(rank=1, rdma_bytes=64 << 20, **options):
         rank=rank, num_ranks=RANKS, num_local_ranks=LOCAL, device=torch.device("cpu"), device_index=0,
         arch=SimpleNamespace(num_sms=132, feature=90), low_latency_mode=False, timeout_ns=123,
         rdma=FakeRdma(rdma_bytes), status=SimpleNamespace(device_ptr=0), check_errors=lambda: None,
-        options=options)
+        options=options, plans={})
 
 
 def peer_bases(params):
@@ -67,7 +67,7 @@ def dispatch(gb, x, scales=None, handle=None, num_worst_tokens=0, num_tokens=64,
 def answer_counts(monkeypatch, max_tokens, received):
     values = [max_tokens] + [0] * (RANKS * RANKS) + [3] * (EXPERTS // RANKS)
     values[1 + (RANKS - 1) * RANKS + 1] = received   # rank_prefix[R-1][rank 1]
-    monkeypatch.setattr(internode, "_host_ints", lambda gb, ints: values)
+    monkeypatch.setattr(internode, "host_ints", lambda gb, ints: values)
 
 
 def test_fresh_exact_dispatch_fills_params_from_the_handle(launches, monkeypatch):
@@ -224,5 +224,20 @@ def test_allow_mnnvl_puts_other_nodes_mapped_buffers_in_the_peer_table():
     from epcomm.ops import internode
     gb = fake_backend(allow_mnnvl=True)
     gb.rdma.peer_ptrs[3] = 0   # not reachable from this GPU
-    table = (ctypes.c_int64 * RANKS).from_address(internode._peer_bases(gb))
+    table = (ctypes.c_int64 * RANKS).from_address(internode.peer_table(gb).data_ptr())
     assert list(table) == [8192, 4096, 8192 * 3, 0]
+
+
+def test_plans_are_the_backends_and_each_call_fills_its_own_params(launches, monkeypatch):
+    """Kernels and fixed Params fields are planned once per spec in gb.plans; every launch gets its
+    own Params (a copy of the plan's template), so no call changes what an earlier one launched."""
+    gb = fake_backend()
+    answer_counts(monkeypatch, 64, 37)
+    x = torch.randn(64, HIDDEN).bfloat16()
+    dispatch(gb, x)
+    dispatch(gb, x, num_worst_tokens=100)
+    assert set(gb.plans) == {internode.PeerTableSpec, internode.NotifySpec, internode.DispatchSpec}
+    assert list(gb.plans[internode.DispatchSpec]) == [internode.DispatchSpec(HIDDEN * 2, 0, TOPK, "long long", True)]
+    (_, _, first), (_, _, second) = launches[1], launches[3]
+    assert first is not second and (first.num_out_rows, second.num_out_rows) == (37, 100)
+    assert first.capacity == second.capacity > 0 and first.peer_bases == second.peer_bases != 0

@@ -216,7 +216,7 @@ def test_combine_order_matches_oracle_bitwise(ranks, local):
 # ---- EPCOMM_NUM_LOCAL_RANKS -------------------------------------------------------------------
 def test_num_local_ranks_override(monkeypatch):
     from epcomm import env
-    from epcomm.gpu import resolve_local_ranks
+    from epcomm.runtime.topology import resolve_local_ranks
     monkeypatch.delenv("EPCOMM_NUM_LOCAL_RANKS", raising=False)
     assert env.num_local_ranks() is None
     monkeypatch.setenv("EPCOMM_NUM_LOCAL_RANKS", "2")

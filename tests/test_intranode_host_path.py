@@ -1,5 +1,5 @@
-"""The intranode ops module's host path without a GPU: each launch geometry keeps one Params object
-and a call sets only the fields that change (epcomm/ops/intranode.py, _Geometry), so every launched
+"""The intranode ops module's host path without a GPU: each plan keeps one Params object and a call
+sets only the fields that change (epcomm/ops/intranode.py, _Plan), so every launched
 Params must equal the one the call would have built from scratch, field for field, whatever the
 calls before it were (no stale pointer, stride or count from an earlier call). The kernel lookup and
 the launch are replaced by a recorder; tensors live on the CPU so that every pointer is real."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import epcomm
-from epcomm.ops import intranode
+from epcomm.ops import _common, intranode
 from epcomm.ops import intranode_plan as plan
 from epcomm.runtime.arch import Arch
 
@@ -28,7 +28,7 @@ class _Recorder:
         self.launched.append(type(params).from_buffer_copy(params))
 
 
-class _Nvl:   # weak-referenceable, as the geometry cache needs
+class _Nvl:
     nbytes = 1 << 30
     peer_ptrs = [1, 2]
 
@@ -40,15 +40,13 @@ class _Nvl:   # weak-referenceable, as the geometry cache needs
 def setup(monkeypatch):
     recorder = _Recorder()
     monkeypatch.setattr(intranode, "_kernel", lambda gb, name, trace: recorder)
-    monkeypatch.setattr(intranode, "_prepare", lambda gb, config, what: None)
-    monkeypatch.setattr(intranode, "_stream", lambda device_index: 0)
+    monkeypatch.setattr(intranode, "_prepare", lambda gb, num_sms, what: None)
+    monkeypatch.setattr(_common, "current_stream", lambda device_index: 0)
     nvl = _Nvl()
     gb = type("Gb", (), dict(num_ranks=R, device=torch.device("cpu"), device_index=0, nvl=nvl, rank=1,
-                             timeout_ns=123456789, arch=Arch.for_target(90, None, 132),
+                             timeout_ns=123456789, arch=Arch.for_target(90, None, 132), plans={},
                              status=type("Status", (), {"device_ptr": 0xABC000})()))()
     yield gb, recorder
-    for key in [k for k in intranode._GEOMETRY if k[1] == id(nvl)]:
-        del intranode._GEOMETRY[key]
 
 
 def _handle(num_tokens: int, rows: int):
@@ -61,10 +59,18 @@ def _fields(params) -> dict:
     return {name: getattr(params, name) for name, _ in params._fields_}
 
 
-def _expected_geometry_fields(gb, geometry, op) -> dict:
+def _expected_plan_fields(gb, planned, op) -> dict:
     return dict(peer_bases=gb.nvl.peer_table.data_ptr(), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
-                staging_offset=geometry.staging, ring_rows=geometry.rows, record_bytes=geometry.record,
-                rank=gb.rank, num_send_blocks=geometry.send_blocks, op=op)
+                staging_offset=planned.staging, ring_rows=planned.rows, record_bytes=planned.record,
+                rank=gb.rank, num_send_blocks=planned.send_blocks, op=op)
+
+
+def _plan(gb, spec_type, **fields):
+    """The one plan of gb's of this spec type whose spec has these field values."""
+    found = [p for spec, p in gb.plans[spec_type].items()
+             if all(getattr(spec, k) == v for k, v in fields.items())]
+    assert len(found) == 1, (fields, list(gb.plans[spec_type]))
+    return found[0]
 
 
 def _ptr(t):
@@ -83,8 +89,7 @@ def test_cached_dispatch_params_are_complete_after_any_earlier_call(setup):
         calls.append((x, scales, handle, result))
     assert len(recorder.launched) == len(calls)
     for (x, scales, handle, result), got in zip(calls, recorder.launched):
-        key = [k for k in intranode._GEOMETRY if k[1] == id(gb.nvl) and k[5] == (0 if scales is None else scales.shape[1])]
-        geometry = intranode._GEOMETRY[key[0]]
+        planned = _plan(gb, intranode.DispatchSpec, num_scales=0 if scales is None else scales.shape[1])
         n = x.shape[0]
         want = plan.DispatchParams(
             x=_ptr(x), x_scales=_ptr(scales), rank_prefix=handle[0].data_ptr(), channel_prefix=handle[1].data_ptr(),
@@ -93,7 +98,7 @@ def test_cached_dispatch_params_are_complete_after_any_earlier_call(setup):
             scale_stride_token=scales.stride(0) if scales is not None else 0,
             scale_stride_group=scales.stride(1) if scales is not None else 0,
             num_tokens=n, num_chunks=CHUNKS, tokens_per_chunk=plan.tokens_per_chunk(n, CHUNKS),
-            num_out_rows=handle[3].shape[0], **_expected_geometry_fields(gb, geometry, intranode.DISPATCH_OP))
+            num_out_rows=handle[3].shape[0], **_expected_plan_fields(gb, planned, intranode.DISPATCH_OP))
         assert _fields(got) == _fields(want)
 
 
@@ -111,8 +116,7 @@ def test_combine_params_are_complete_after_any_earlier_call(setup):
     assert len(recorder.launched) == len(calls)
     for (x, weights, bias, handle, combined, combined_weights), got in zip(calls, recorder.launched):
         topk = 0 if weights is None else weights.shape[1]
-        key = [k for k in intranode._GEOMETRY if k[0] == "combine" and k[1] == id(gb.nvl) and k[5] == topk]
-        geometry = intranode._GEOMETRY[key[0]]
+        planned = _plan(gb, intranode.CombineSpec, num_topk=topk)
         n = handle[4].shape[0]
         want = plan.CombineParams(
             x=_ptr(x), topk_weights=_ptr(weights), bias0=_ptr(bias[0]), bias1=_ptr(bias[1]),
@@ -120,6 +124,6 @@ def test_combine_params_are_complete_after_any_earlier_call(setup):
             recv_channel_prefix=handle[2].data_ptr(), send_head=_ptr(handle[5]), combined_x=_ptr(combined),
             combined_weights=_ptr(combined_weights), num_tokens=n, num_chunks=CHUNKS,
             tokens_per_chunk=plan.tokens_per_chunk(n, CHUNKS), num_topk=topk,
-            **_expected_geometry_fields(gb, geometry, intranode.COMBINE_OP))
+            **_expected_plan_fields(gb, planned, intranode.COMBINE_OP))
         assert _fields(got) == _fields(want)
         assert ctypes.sizeof(got) == ctypes.sizeof(plan.CombineParams)

@@ -72,7 +72,7 @@ def test_size_hint():
         for hidden in (2048, 7168, 8192):
             for sms in (8, 24, 48):
                 config = Config(sms)
-                hint = intranode.nvl_size_hint(config, hidden * 2, ranks)
+                hint = plan.nvl_size_hint(config, hidden * 2, ranks)
                 assert hint % 128 == 0 and hint >= plan.header_bytes(ranks)
                 if ranks == 1:
                     continue
@@ -85,7 +85,7 @@ def test_size_hint():
                 record = plan.combine_record_bytes(hidden * 2, 32)
                 assert plan.ring_rows(hint, plan.combine_staging_offset(ranks), record, ranks, "t") \
                     >= plan.HINT_RING_ROWS
-    assert intranode.nvl_size_hint(Config(24), 14336, 8) > intranode.nvl_size_hint(Config(24), 14336, 2)
+    assert plan.nvl_size_hint(Config(24), 14336, 8) > plan.nvl_size_hint(Config(24), 14336, 2)
     with pytest.raises(ValueError, match="too small"):
         plan.ring_rows(plan.header_bytes(2) + 100, plan.combine_staging_offset(2), 14336, 2, "combine")
 

@@ -1,4 +1,4 @@
-"""GPU: module loading and launches (plain, dynamic smem, cooperative, cluster, from a thread with
+"""GPU: module loading and launches (plain, dynamic smem, cooperative, from a thread with
 no current context), the Params size check, and arch.cuh's row stage on both feature sets.
 Run under torchrun (`make test-gpu`); each rank tests its own GPU and all ranks agree on the
 verdict. Launch overhead is printed (run with -s to see it)."""
@@ -43,11 +43,6 @@ __global__ void grid_count(const __grid_constant__ FillParams p) {
     cooperative_groups::this_grid().sync();
     if (blockIdx.x == 0 && threadIdx.x == 0) p.out[1] = atomicAdd(p.out, 0);
 }
-__global__ void cluster_rank(const __grid_constant__ FillParams p) {
-#if defined(EPCOMM_FEATURE_SM90)
-    if (threadIdx.x == 0) p.out[blockIdx.x] = (int)cooperative_groups::this_cluster().block_rank();
-#endif
-}
 struct RowParams { int4 *dst; const int4 *src; int rows; int row_bytes; };
 // One warp per row through WarpRowStage (TMA bulk copies on SM90, cp.async on SM80).
 __global__ void stage_rows(const __grid_constant__ RowParams p) {
@@ -69,7 +64,7 @@ __global__ void copy16(const __grid_constant__ RowParams p) {
 }
 """
 SRC = KernelSource("probe.cu", ("epcomm::fill<5>", "epcomm::smem_sum", "epcomm::grid_count",
-                                "epcomm::cluster_rank", "epcomm::stage_rows", "epcomm::copy16"))
+                                "epcomm::stage_rows", "epcomm::copy16"))
 
 
 class FillParams(ctypes.Structure):
@@ -170,21 +165,6 @@ def test_cooperative_launch(dist_env, probe):
         with pytest.raises(EpcommError, match="co-resident"):
             k.launch((blocks + 1, 1, 1), (128, 1, 1), FillParams(out.data_ptr(), 0, 0), stream(),
                      cooperative=True)
-    on_all_ranks(dist_env, check)
-
-
-def test_cluster_launch(dist_env, probe):
-    import torch
-    from epcomm.runtime.arch import device_arch
-    if device_arch(dist_env.device.index).cc < 90:
-        pytest.skip("clusters need sm_90")
-
-    def check():
-        k = kernel("epcomm::cluster_rank", dist_env, feature=90)
-        out = torch.full((8,), -1, dtype=torch.int32, device=dist_env.device)
-        k.launch((8, 1, 1), (32, 1, 1), FillParams(out.data_ptr(), 0, 0), stream(), cluster=(2, 1, 1))
-        torch.cuda.synchronize()
-        assert out.tolist() == [0, 1] * 4
     on_all_ranks(dist_env, check)
 
 

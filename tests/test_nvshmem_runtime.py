@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from epcomm.errors import BufferUnusable, PeerTimeout
-from epcomm.gpu import local_rank_count
+from epcomm.runtime.topology import local_rank_count
 from epcomm.runtime import status
 from epcomm.runtime.symmetric import SymmetricBuffer
 

@@ -297,7 +297,7 @@ def test_combine_rejects():
 # ---- internode (two "nodes" of one rank each on the CPU backend) ---------------------------------
 def _internode_cases(rank, world, group):
     import os
-    os.environ["LOCAL_WORLD_SIZE"] = "1"   # the CPU backend's ranks per node: one, so 2 nodes
+    os.environ["EPCOMM_NUM_LOCAL_RANKS"] = "1"   # ranks per node: one, so 2 nodes
     from epcomm import Buffer
     no_rdma = Buffer(group, NVL_BYTES)
     buf = Buffer(group, NVL_BYTES, NVL_BYTES)
@@ -337,7 +337,7 @@ def test_internode_rejects():
 # ---- low-latency mode ----------------------------------------------------------------------------
 def _low_latency_cases(rank, world, group):
     from epcomm import Buffer
-    from epcomm.ops import low_latency
+    from epcomm.ops import low_latency_layout as low_latency
     t, e, h = 8, E, 512
     rdma = Buffer.get_low_latency_rdma_size_hint(t, h, R, e)
     buf = Buffer(group, 0, rdma, low_latency_mode=True, enable_shrink=True)

@@ -29,25 +29,18 @@ G comes from Config.num_sms (internode_plan.num_chunks) and must be equal on eve
 """
 from __future__ import annotations
 
-import weakref
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
-from ..backend import DispatchResult
+from ..backend import DispatchResult, InternodeHandle, named
 from ..runtime.compiler import KernelSource
-from ..runtime.module import get_kernel
 from ..runtime.status import register_op
 from . import internode_plan as plan
-# Argument helpers shared with the intranode launcher (same conventions for tensors and launches).
-from .intranode import _INDEX_TYPES, _aligned, _host_ints, _launch, _ptr
+from ._common import INDEX_TYPES, aligned, backend_kernel, host_ints, launch_1d, plan_for, ptr
 
 DISPATCH_OP = register_op("internode dispatch", plan.PHASES)
 COMBINE_OP = register_op("internode combine", plan.PHASES)
-
-
-def rdma_size_hint(config, hidden_bytes: int, num_ranks: int) -> int:
-    return plan.rdma_size_hint(config, hidden_bytes, num_ranks)
 
 
 def representative_sources() -> List[KernelSource]:
@@ -68,8 +61,7 @@ def kernel_source(name: str) -> KernelSource:
 
 
 def _kernel(gb, name: str):
-    """The kernel for the Buffer's feature set (gb.arch: EPCOMM_ARCH as it was at construction)."""
-    return get_kernel(kernel_source(name), 0, gb.device_index, gb.arch.feature)
+    return backend_kernel(gb, kernel_source(name))
 
 
 # ---- checks ----------------------------------------------------------------------------------
@@ -105,30 +97,91 @@ def _check_notify_fits(gb, num_local_experts: int, what: str) -> None:
                          f"count exchange of {gb.num_ranks} ranks needs (Config.get_rdma_buffer_size_hint)")
 
 
-# Per RDMA buffer: [R] int64 device table of every rank's copy as this process addresses it. The
-# kernels take their own entry as `base` and hand addresses derived from it to NVSHMEM puts, which
-# translate them relative to the symmetric heap: so the own entry is the heap address itself
-# (buffer.ptr), whatever mapping nvshmem_ptr gives for this PE. Ranks of other nodes are null
-# unless the Buffer was built with allow_mnnvl=True: then a mapped one (multi-node NVLink, or
-# "nodes" on one host) is written in place instead of through a put.
-_PEER_BASES: "weakref.WeakKeyDictionary[object, torch.Tensor]" = weakref.WeakKeyDictionary()
+# ---- plans -------------------------------------------------------------------------------------
+class PeerTableSpec(NamedTuple):
+    """The [R] int64 device table of every rank's RDMA buffer as this process addresses it. The
+    kernels take their own entry as `base` and hand addresses derived from it to NVSHMEM puts, which
+    translate them relative to the symmetric heap: so the own entry is the heap address itself
+    (buffer.ptr), whatever mapping nvshmem_ptr gives for this PE. Ranks of other nodes are null
+    unless the Buffer was built with allow_mnnvl=True: then a mapped one (multi-node NVLink, or
+    "nodes" on one host) is written in place instead of through a put."""
 
 
-def _peer_bases(gb) -> int:
-    rdma = gb.rdma
-    table = _PEER_BASES.get(rdma)
-    if table is None:
-        local, node = gb.num_local_ranks, gb.rank // gb.num_local_ranks
-        mnnvl = bool(gb.options.get("allow_mnnvl", False))
-        bases = [ptr if mnnvl or r // local == node else 0 for r, ptr in enumerate(rdma.peer_ptrs)]
-        bases[gb.rank] = rdma.ptr
-        table = _PEER_BASES[rdma] = torch.tensor(bases, dtype=torch.int64, device=gb.device)
-    return table.data_ptr()
+def _peer_table(gb, spec: PeerTableSpec) -> torch.Tensor:
+    rdma, local, node = gb.rdma, gb.num_local_ranks, gb.rank // gb.num_local_ranks
+    mnnvl = bool(gb.options.get("allow_mnnvl", False))
+    bases = [address if mnnvl or r // local == node else 0 for r, address in enumerate(rdma.peer_ptrs)]
+    bases[gb.rank] = rdma.ptr
+    return torch.tensor(bases, dtype=torch.int64, device=gb.device)
 
 
-def _dispatch_layout(gb, row_bytes: int, num_scales: int, num_topk: int) -> plan.DispatchLayout:
-    record = plan.dispatch_record_bytes(row_bytes, num_scales, num_topk, gb.num_local_ranks)
-    return plan.DispatchLayout(gb.rdma.nbytes, gb.num_ranks, gb.num_local_ranks, record)
+def peer_table(gb) -> torch.Tensor:
+    return plan_for(gb, PeerTableSpec, (), _peer_table)
+
+
+class NotifySpec(NamedTuple):
+    """The notify kernel depends on the Buffer alone."""
+
+
+class DispatchSpec(NamedTuple):
+    row_bytes: int
+    num_scales: int
+    num_topk: int
+    index_type: str
+    fresh: bool
+
+
+class CombineSpec(NamedTuple):
+    row_bytes: int
+
+
+class _Plan:
+    """A kernel, the buffer layout of its calls and its Params `template` with the fields fixed for
+    the spec set: a call fills a copy (a ctypes copy is cheaper than building the struct, and no
+    field of an earlier call can leak into it)."""
+    __slots__ = ("kernel", "layout", "template")
+
+    def __init__(self, kernel, layout, template):
+        self.kernel, self.layout, self.template = kernel, layout, template
+
+    def params(self):
+        return self.template.__class__.from_buffer_copy(self.template)
+
+
+def _fixed_fields(gb, op: int) -> dict:
+    return dict(peer_bases=peer_table(gb).data_ptr(), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
+                rank=gb.rank, op=op)
+
+
+def _notify_plan(gb, spec: NotifySpec) -> _Plan:
+    num_ranks, num_local = gb.num_ranks, gb.num_local_ranks
+    area, stage, _ = plan.notify_offsets(num_ranks, num_ranks // num_local)
+    template = plan.NotifyParams(area_offset=area, stage_offset=stage, notify_ints=plan.notify_ints(num_ranks),
+                                 **_fixed_fields(gb, DISPATCH_OP))
+    return _Plan(_kernel(gb, plan.notify_kernel(num_ranks, num_local)), None, template)
+
+
+def _dispatch_plan(gb, spec: DispatchSpec) -> _Plan:
+    num_ranks, num_local = gb.num_ranks, gb.num_local_ranks
+    record = plan.dispatch_record_bytes(spec.row_bytes, spec.num_scales, spec.num_topk, num_local)
+    layout = plan.DispatchLayout(gb.rdma.nbytes, num_ranks, num_local, record)
+    name = plan.dispatch_kernel(num_ranks, num_local, spec.row_bytes, spec.num_scales, spec.index_type,
+                                spec.fresh)
+    template = plan.DispatchParams(recv_offset=layout.recv_offset, stage_offset=layout.stage_offset,
+                                   capacity=layout.capacity, record_bytes=layout.record_bytes,
+                                   num_topk=spec.num_topk, **_fixed_fields(gb, DISPATCH_OP))
+    return _Plan(_kernel(gb, name), layout, template)
+
+
+def _combine_plan(gb, spec: CombineSpec) -> _Plan:
+    num_ranks, num_local = gb.num_ranks, gb.num_local_ranks
+    layout = plan.CombineLayout(gb.rdma.nbytes, num_ranks, num_local, spec.row_bytes)
+    template = plan.CombineParams(
+        push_offset=layout.push_offset, partial_stage_offset=layout.partial_stage_offset,
+        partial_recv_offset=layout.partial_recv_offset, capacity=layout.capacity,
+        push_bytes=layout.push_bytes, partial_bytes=layout.partial_bytes,
+        chunk_records=layout.chunk_records, **_fixed_fields(gb, COMBINE_OP))
+    return _Plan(_kernel(gb, plan.combine_kernel(num_ranks, num_local, spec.row_bytes)), layout, template)
 
 
 # The largest N of all ranks, by handle, where the host read it (exact-mode dispatch). Every rank
@@ -138,16 +191,17 @@ def _dispatch_layout(gb, row_bytes: int, num_scales: int, num_topk: int) -> plan
 _MAX_TOKENS_ATTR = "_epcomm_max_tokens"
 
 
-def _host_max_tokens(handle) -> Optional[int]:
-    return getattr(handle[2], _MAX_TOKENS_ATTR, None)
+def _host_max_tokens(handle: InternodeHandle) -> Optional[int]:
+    return getattr(handle.gbl_channel_prefix_matrix, _MAX_TOKENS_ATTR, None)
 
 
-def _max_tokens_ptr(handle, num_ranks: int) -> int:
+def _max_tokens_ptr(handle: InternodeHandle, num_ranks: int) -> int:
     """Device address of handle[2][R], the largest N of all ranks."""
-    if handle[2].numel() != num_ranks + 1:
-        raise ValueError(f"handle[2] has {handle[2].numel()} elements, an internode handle of {num_ranks} "
+    totals = handle.gbl_channel_prefix_matrix
+    if totals.numel() != num_ranks + 1:
+        raise ValueError(f"handle[2] has {totals.numel()} elements, an internode handle of {num_ranks} "
                          f"ranks {num_ranks + 1}")
-    return handle[2].data_ptr() + 4 * num_ranks
+    return totals.data_ptr() + 4 * num_ranks
 
 
 def _check_known_capacity(handle, what: str, capacity: int, rdma_bytes: int, detail: str) -> None:
@@ -163,21 +217,22 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
              num_worst_tokens, config) -> DispatchResult:
     """Backend.dispatch for ranks over several nodes (arguments validated by Buffer)."""
     what, fresh = "dispatch", handle is None
-    num_ranks, num_local, device = gb.num_ranks, gb.num_local_ranks, gb.device
+    num_ranks, device = gb.num_ranks, gb.device
     _check_buffer(gb, config, what)
     if fresh and num_worst_tokens == 0 and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{what}: an exact-size dispatch reads the received counts on the host, "
                            f"which a CUDA graph cannot capture; pass num_worst_tokens > 0 (or a "
                            f"cached handle) under capture")
-    x, topk_idx, topk_weights = (_aligned(t) for t in (x, topk_idx, topk_weights))   # scales: scalar loads
+    x, topk_idx, topk_weights = (aligned(t) for t in (x, topk_idx, topk_weights))   # scales: scalar loads
     (num_tokens, hidden), num_scales = x.shape, 0 if x_scales is None else x_scales.shape[1]
     row_bytes = hidden * x.element_size()
 
     if fresh:
         num_local_experts = num_tokens_per_expert.shape[0] // num_ranks
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
-        index_type = _INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
-        layout = _dispatch_layout(gb, row_bytes, num_scales, num_topk)
+        index_type = INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
+        planned = plan_for(gb, DispatchSpec, (row_bytes, num_scales, num_topk, index_type, True), _dispatch_plan)
+        layout = planned.layout
         _check_notify_fits(gb, num_local_experts, what)
         # No capacity check on this rank's N here: the other ranks would launch notify and wait.
         # num_worst_tokens: the data kernel checks the largest N of all ranks (fits_capacity);
@@ -192,23 +247,24 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
             num_out_rows, expert_counts, max_tokens = _read_counts(gb, tables["info"], num_local_experts,
                                                                    expert_alignment, layout, what)
             setattr(tables["gbl_channel_prefix"], _MAX_TOKENS_ATTR, max_tokens)
-        handle = (is_token_in_rank, tables["rdma_channel_prefix"], tables["gbl_channel_prefix"],
-                  tables["recv_rdma_channel_prefix"], tables["recv_rdma_rank_prefix_sum"],
-                  tables["recv_gbl_channel_prefix"], tables["recv_gbl_rank_prefix_sum"],
-                  torch.empty((num_out_rows, 3), dtype=torch.int32, device=device),
-                  tables["send_rdma_head"], tables["send_nvl_head"])
+        handle = InternodeHandle(
+            is_token_in_rank, tables["rdma_channel_prefix"], tables["gbl_channel_prefix"],
+            tables["recv_rdma_channel_prefix"], tables["recv_rdma_rank_prefix_sum"],
+            tables["recv_gbl_channel_prefix"], tables["recv_gbl_rank_prefix_sum"],
+            torch.empty((num_out_rows, 3), dtype=torch.int32, device=device),
+            tables["send_rdma_head"], tables["send_nvl_head"])
     else:
-        if handle[0].shape[0] != num_tokens:
+        handle = named(InternodeHandle, handle)
+        if handle.is_token_in_rank.shape[0] != num_tokens:
             raise ValueError(f"{what}: x has {num_tokens} rows, the handle's is_token_in_rank "
-                             f"{handle[0].shape[0]}")
+                             f"{handle.is_token_in_rank.shape[0]}")
         num_local_experts, num_topk, index_type = 0, 0, "int"
         topk_idx = topk_weights = None
-        num_out_rows = handle[7].shape[0]   # exact M, or num_worst_tokens of the fresh call
-        chunks = handle[1].shape[1] - 1
-        layout = _dispatch_layout(gb, row_bytes, num_scales, 0)
+        num_out_rows = handle.recv_src_meta.shape[0]   # exact M, or num_worst_tokens of the fresh call
+        chunks = handle.rdma_channel_prefix_matrix.shape[1] - 1
+        planned = plan_for(gb, DispatchSpec, (row_bytes, num_scales, 0, "int", False), _dispatch_plan)
+        layout = planned.layout
         _check_known_capacity(handle, what, layout.capacity, gb.rdma.nbytes, f"{layout.record_bytes}-byte records")
-    name = plan.dispatch_kernel(num_ranks, num_local, row_bytes, num_scales, index_type, fresh)
-    kernel = _kernel(gb, name)
 
     recv_x = torch.empty((num_out_rows, hidden), dtype=x.dtype, device=device)
     recv_scales = None if x_scales is None else \
@@ -218,22 +274,23 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         recv_topk_idx = torch.empty((num_out_rows, num_topk), dtype=topk_idx.dtype, device=device)
         recv_topk_weights = torch.empty((num_out_rows, num_topk), dtype=torch.float32, device=device)
 
-    params = plan.DispatchParams(
-        x=_ptr(x), x_scales=_ptr(x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
-        rdma_channel_prefix=handle[1].data_ptr(), recv_rdma_channel_prefix=handle[3].data_ptr(),
-        recv_gbl_rank_prefix_sum=handle[6].data_ptr(), send_rdma_head=_ptr(handle[8]),
-        send_nvl_head=_ptr(handle[9]), recv_x=_ptr(recv_x), recv_x_scales=_ptr(recv_scales),
-        recv_topk_idx=_ptr(recv_topk_idx), recv_topk_weights=_ptr(recv_topk_weights),
-        recv_src_meta=_ptr(handle[7]) if fresh else 0, max_tokens=_max_tokens_ptr(handle, num_ranks),
-        peer_bases=_peer_bases(gb), err=gb.status.device_ptr,
-        scale_stride_token=x_scales.stride(0) if x_scales is not None else 0,
-        scale_stride_group=x_scales.stride(1) if x_scales is not None else 0,
-        timeout_ns=gb.timeout_ns, recv_offset=layout.recv_offset, stage_offset=layout.stage_offset,
-        capacity=layout.capacity, record_bytes=layout.record_bytes, num_tokens=num_tokens,
-        num_chunks=chunks, tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
-        num_topk=num_topk, num_local_experts=num_local_experts, num_out_rows=num_out_rows,
-        rank=gb.rank, op=DISPATCH_OP)
-    _launch(gb, kernel, config.num_sms, plan.THREADS, params)
+    params = planned.params()
+    params.x, params.x_scales = ptr(x), ptr(x_scales)
+    params.topk_idx, params.topk_weights = ptr(topk_idx), ptr(topk_weights)
+    params.rdma_channel_prefix = handle.rdma_channel_prefix_matrix.data_ptr()
+    params.recv_rdma_channel_prefix = handle.recv_rdma_channel_prefix_matrix.data_ptr()
+    params.recv_gbl_rank_prefix_sum = handle.recv_gbl_rank_prefix_sum.data_ptr()
+    params.send_rdma_head, params.send_nvl_head = ptr(handle.send_rdma_head), ptr(handle.send_nvl_head)
+    params.recv_x, params.recv_x_scales = ptr(recv_x), ptr(recv_scales)
+    params.recv_topk_idx, params.recv_topk_weights = ptr(recv_topk_idx), ptr(recv_topk_weights)
+    params.recv_src_meta = ptr(handle.recv_src_meta) if fresh else 0
+    params.max_tokens = _max_tokens_ptr(handle, num_ranks)
+    if x_scales is not None:
+        params.scale_stride_token, params.scale_stride_group = x_scales.stride()
+    params.num_tokens, params.num_chunks = num_tokens, chunks
+    params.tokens_per_chunk = plan.tokens_per_chunk(num_tokens, chunks)
+    params.num_local_experts, params.num_out_rows = num_local_experts, num_out_rows
+    launch_1d(gb, planned.kernel, config.num_sms, plan.THREADS, params)
 
     if not fresh:
         return DispatchResult(recv_x, recv_scales, None, None, None, None)
@@ -257,16 +314,16 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
                recv_rdma_rank_prefix_sum=ints(num_nodes), recv_gbl_channel_prefix=ints(num_ranks, 1),
                recv_gbl_rank_prefix_sum=ints(num_ranks), send_rdma_head=ints(num_tokens, num_nodes),
                send_nvl_head=ints(num_tokens, num_ranks))
-    area, stage, _ = plan.notify_offsets(num_ranks, num_nodes)
-    params = plan.NotifyParams(
-        is_token_in_rank=_ptr(is_token_in_rank), num_tokens_per_expert=_ptr(num_tokens_per_expert),
-        peer_bases=_peer_bases(gb), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
-        area_offset=area, stage_offset=stage, num_tokens=num_tokens, num_chunks=chunks,
-        tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
-        num_local_experts=num_local_experts, notify_ints=plan.notify_ints(num_ranks), num_topk=num_topk,
-        num_scales=num_scales, row_bytes=row_bytes, rank=gb.rank, op=DISPATCH_OP,
-        **{k: _ptr(v) for k, v in out.items()})
-    _launch(gb, _kernel(gb, plan.notify_kernel(num_ranks, num_local)), 1, plan.NOTIFY_THREADS, params)
+    planned = plan_for(gb, NotifySpec, (), _notify_plan)
+    params = planned.params()
+    params.is_token_in_rank, params.num_tokens_per_expert = ptr(is_token_in_rank), ptr(num_tokens_per_expert)
+    for name, tensor in out.items():
+        setattr(params, name, ptr(tensor))
+    params.num_tokens, params.num_chunks = num_tokens, chunks
+    params.tokens_per_chunk = plan.tokens_per_chunk(num_tokens, chunks)
+    params.num_local_experts, params.num_topk = num_local_experts, num_topk
+    params.num_scales, params.row_bytes = num_scales, row_bytes
+    launch_1d(gb, planned.kernel, 1, plan.NOTIFY_THREADS, params)
     return out
 
 
@@ -275,7 +332,7 @@ def _read_counts(gb, info, num_local_experts, expert_alignment, layout, what):
     of all ranks). Every rank reads the same N max, so the capacity check raises on all ranks alike
     (ranks with different Config.num_sms, num_experts or token formats were recorded by the notify
     kernel: check_errors raises that)."""
-    num_ranks, values = gb.num_ranks, _host_ints(gb, info)
+    num_ranks, values = gb.num_ranks, host_ints(gb, info)
     plan.check_capacity(what, values[0], layout.capacity, gb.rdma.nbytes,
                         f"{layout.record_bytes}-byte records; the largest N of all ranks")
     num_recv = values[1 + (num_ranks - 1) * num_ranks + gb.rank]
@@ -289,42 +346,42 @@ def combine(gb, x, handle, topk_weights, bias, config):
     """Backend.combine: unweighted fp32 sum of the rows each token sent out, plus bias (local ranks
     summed per node first, then nodes ascending: epcomm.reference.oracle.combine)."""
     what = "combine"
-    num_ranks, num_local, device = gb.num_ranks, gb.num_local_ranks, gb.device
+    num_ranks, device = gb.num_ranks, gb.device
     _check_buffer(gb, config, what)
-    is_token_in_rank, rdma_channel_prefix = handle[0], handle[1]
-    num_tokens, hidden = is_token_in_rank.shape[0], x.shape[1]
-    if x.shape[0] != handle[7].shape[0]:
+    handle = named(InternodeHandle, handle)
+    num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]
+    num_recv = handle.recv_src_meta.shape[0]
+    if x.shape[0] != num_recv:
         raise ValueError(f"{what}: x has {x.shape[0]} rows, the handle's dispatch received "
-                         f"{handle[7].shape[0]}")
+                         f"{num_recv}")
     for b in bias:   # the kernel reads bias rows of every token
         if b is not None and tuple(b.shape) != (num_tokens, hidden):
             raise ValueError(f"{what}: bias must be [num_tokens, hidden] = [{num_tokens}, {hidden}] (num_tokens "
                              f"= rows of the handle's is_token_in_rank), got {list(b.shape)}")
-    x, topk_weights = _aligned(x.contiguous()), _aligned(topk_weights)
-    bias0, bias1 = (_aligned(b) for b in bias)
+    x, topk_weights = aligned(x.contiguous()), aligned(topk_weights)
+    bias0, bias1 = (aligned(b) for b in bias)
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-    layout = plan.CombineLayout(gb.rdma.nbytes, num_ranks, num_local, hidden * 2)
+    planned = plan_for(gb, CombineSpec, (hidden * 2,), _combine_plan)
+    layout = planned.layout
     # This rank's N alone is no collective-safe check (the others would launch and wait): the
     # largest N of all ranks, on the host where known, else on the device (fits_capacity).
     _check_known_capacity(handle, what, layout.capacity, gb.rdma.nbytes,
                           f"{layout.push_bytes}-byte rows per local rank and {layout.partial_bytes}-byte "
                           f"partial sums")
-    kernel = _kernel(gb, plan.combine_kernel(num_ranks, num_local, hidden * 2))
 
     combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
     combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device) \
         if num_topk else None
-    params = plan.CombineParams(
-        x=_ptr(x), topk_weights=_ptr(topk_weights), bias0=_ptr(bias0), bias1=_ptr(bias1),
-        recv_src_meta=_ptr(handle[7]), recv_gbl_rank_prefix_sum=handle[6].data_ptr(),
-        recv_rdma_channel_prefix=handle[3].data_ptr(), send_rdma_head=_ptr(handle[8]),
-        combined_x=_ptr(combined_x), combined_weights=_ptr(combined_weights),
-        max_tokens=_max_tokens_ptr(handle, num_ranks), peer_bases=_peer_bases(gb), err=gb.status.device_ptr,
-        timeout_ns=gb.timeout_ns,
-        push_offset=layout.push_offset, partial_stage_offset=layout.partial_stage_offset,
-        partial_recv_offset=layout.partial_recv_offset, capacity=layout.capacity,
-        push_bytes=layout.push_bytes, partial_bytes=layout.partial_bytes,
-        chunk_records=layout.chunk_records, num_tokens=num_tokens,
-        num_chunks=rdma_channel_prefix.shape[1] - 1, num_topk=num_topk, rank=gb.rank, op=COMBINE_OP)
-    _launch(gb, kernel, config.num_sms, plan.THREADS, params)
+    params = planned.params()
+    params.x, params.topk_weights = ptr(x), ptr(topk_weights)
+    params.bias0, params.bias1 = ptr(bias0), ptr(bias1)
+    params.recv_src_meta = ptr(handle.recv_src_meta)
+    params.recv_gbl_rank_prefix_sum = handle.recv_gbl_rank_prefix_sum.data_ptr()
+    params.recv_rdma_channel_prefix = handle.recv_rdma_channel_prefix_matrix.data_ptr()
+    params.send_rdma_head = ptr(handle.send_rdma_head)
+    params.combined_x, params.combined_weights = ptr(combined_x), ptr(combined_weights)
+    params.max_tokens = _max_tokens_ptr(handle, num_ranks)
+    params.num_tokens, params.num_topk = num_tokens, num_topk
+    params.num_chunks = handle.rdma_channel_prefix_matrix.shape[1] - 1
+    launch_1d(gb, planned.kernel, config.num_sms, plan.THREADS, params)
     return combined_x, combined_weights

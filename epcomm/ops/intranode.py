@@ -18,27 +18,20 @@ G comes from Config.num_sms (intranode_plan.num_chunks) and must be equal on eve
 """
 from __future__ import annotations
 
-import weakref
-from typing import Dict, List, Optional
+from typing import List, NamedTuple
 
 import torch
 
 from .. import env
-from ..backend import DispatchResult
+from ..backend import DispatchResult, IntranodeHandle
 from ..runtime.compiler import KernelSource
-from ..runtime.module import get_kernel
 from ..runtime.status import register_op
 from . import intranode_plan as plan
-from ..streams import current_stream_handle as _stream
-from .layout import _INDEX_TYPES
+from ._common import INDEX_TYPES, aligned, backend_kernel, host_ints, launch_1d, plan_for, ptr
 from .trace import TraceRows
 
 DISPATCH_OP = register_op("intranode dispatch", plan.PHASES)
 COMBINE_OP = register_op("intranode combine", plan.PHASES)
-
-
-def nvl_size_hint(config, hidden_bytes: int, num_ranks: int) -> int:
-    return plan.nvl_size_hint(config, hidden_bytes, num_ranks)
 
 
 def representative_sources() -> List[KernelSource]:
@@ -59,8 +52,7 @@ def kernel_source(name: str, trace: bool = False) -> KernelSource:
 
 
 def _kernel(gb, name: str, trace: bool):
-    """The kernel for the Buffer's feature set (gb.arch: EPCOMM_ARCH as it was at construction)."""
-    return get_kernel(kernel_source(name, trace), 0, gb.device_index, gb.arch.feature)
+    return backend_kernel(gb, kernel_source(name, trace))
 
 
 # ---- profiling mode (EPCOMM_INTRANODE_TRACE=1) -----------------------------------------------
@@ -80,15 +72,15 @@ def set_tracing(on: bool) -> None:
 last_trace = _TRACE.last   # [blocks, TRACE_WARPS, len(TRACE_SLOTS)] of the latest traced launch
 
 
-# ---- checks, launch geometry ------------------------------------------------------------------
-def _prepare(gb, config, what: str) -> None:
-    """Per-call checks. (The NVL buffer, hence the signal header, is zero from construction.)"""
+# ---- checks, plans ----------------------------------------------------------------------------
+def _prepare(gb, num_sms: int, what: str) -> None:
+    """The checks of a new plan. (The NVL buffer, hence the signal header, is zero from construction.)"""
     nvl = gb.nvl
     if nvl is None:
         raise ValueError(f"{what}: intranode mode needs an NVL buffer; build the Buffer with "
                          f"num_nvl_bytes > 0 (Config.get_nvl_buffer_size_hint gives a good size)")
-    if config.num_sms > gb.arch.num_sms:
-        raise ValueError(f"{what}: Config.num_sms={config.num_sms} exceeds the device's "
+    if num_sms > gb.arch.num_sms:
+        raise ValueError(f"{what}: Config.num_sms={num_sms} exceeds the device's "
                          f"{gb.arch.num_sms} SMs")
     header = plan.header_bytes(gb.num_ranks)
     if header > nvl.nbytes:
@@ -100,88 +92,60 @@ def _prepare(gb, config, what: str) -> None:
                          f"{gb.rank}; intranode mode needs every rank in one NVLink domain")
 
 
-class _Geometry:
-    """What a launch needs besides the tensors, for one (NVL buffer, kernel, SMs) combination:
-    checked and looked up once, then reused call after call (the host path is the whole cost of
-    a small call). `params` is the kernel's Params with the fields that never change for this
-    geometry already set; a call sets the rest and launches it (the launch copies the struct, so
-    one object serves every call)."""
-    __slots__ = ("owner", "kernel", "blocks", "send_blocks", "staging", "record", "rows", "params")
+class DispatchSpec(NamedTuple):
+    """An intranode dispatch plan's key (the Buffer fixes ranks, NVL buffer and feature set)."""
+    num_sms: int
+    row_bytes: int
+    num_scales: int
+    num_topk: int
+    index_type: str
+    num_local_experts: int
+    fresh: bool
+    trace: bool
 
-    def __init__(self, gb, nvl, kernel, split, staging: int, record: int, rows: int, params_type, op: int):
-        self.owner = weakref.ref(nvl)   # keys hold id(nvl): an entry is valid for that object only
+
+class CombineSpec(NamedTuple):
+    num_sms: int
+    row_bytes: int
+    num_topk: int
+    trace: bool
+
+
+class _Plan:
+    """A data kernel's launch besides the tensors (the host path is the whole cost of a small
+    call): `params` is the kernel's Params with the fields fixed for the spec already set; a call
+    sets the rest and launches it (the launch copies the struct, so one object serves every call)."""
+    __slots__ = ("kernel", "blocks", "send_blocks", "staging", "record", "rows", "params")
+
+    def __init__(self, gb, kernel, split, staging: int, record: int, rows: int, params_type, op: int):
         self.kernel, self.blocks, self.send_blocks = kernel, split.blocks, split.send_blocks
         self.staging, self.record, self.rows = staging, record, rows
-        self.params = params_type(peer_bases=nvl.peer_table.data_ptr(), err=gb.status.device_ptr,
+        self.params = params_type(peer_bases=gb.nvl.peer_table.data_ptr(), err=gb.status.device_ptr,
                                   timeout_ns=gb.timeout_ns, staging_offset=staging, ring_rows=rows,
                                   record_bytes=record, rank=gb.rank, num_send_blocks=split.send_blocks, op=op)
 
 
-_GEOMETRY: Dict[tuple, _Geometry] = {}
+def _dispatch_plan(gb, spec: DispatchSpec) -> _Plan:
+    _prepare(gb, spec.num_sms, "dispatch")
+    num_ranks = gb.num_ranks
+    staging = plan.dispatch_staging_offset(num_ranks, spec.num_local_experts) if spec.fresh else \
+        plan.combine_staging_offset(num_ranks)
+    record = plan.dispatch_record_bytes(spec.row_bytes, spec.num_scales, spec.num_topk)
+    rows = plan.ring_rows(gb.nvl.nbytes, staging, record, num_ranks, "dispatch")
+    name = plan.dispatch_kernel(num_ranks, spec.row_bytes, spec.num_scales, spec.index_type, spec.fresh)
+    return _Plan(gb, _kernel(gb, name, spec.trace), plan.dispatch_split(spec.num_sms, num_ranks),
+                 staging, record, rows, plan.DispatchParams, DISPATCH_OP)
 
 
-def _geometry(gb, config, key: tuple, build) -> _Geometry:
-    nvl = gb.nvl
-    geometry = _GEOMETRY.get(key) if nvl is not None else None
-    if geometry is None or geometry.owner() is not nvl:
-        _prepare(gb, config, key[0])
-        geometry = _GEOMETRY[key] = build(nvl)
-    return geometry
-
-
-def _dispatch_geometry(gb, config, row_bytes: int, num_scales: int, num_topk: int,
-                       index_type: str, num_local_experts: int, fresh: bool, trace: bool) -> _Geometry:
-    num_ranks, num_sms = gb.num_ranks, config.num_sms
-    key = ("dispatch", id(gb.nvl), num_sms, gb.arch.feature, row_bytes,
-           num_scales, num_topk, index_type, num_local_experts, fresh, trace)
-
-    def build(nvl):
-        staging = plan.dispatch_staging_offset(num_ranks, num_local_experts) if fresh else \
-            plan.combine_staging_offset(num_ranks)
-        record = plan.dispatch_record_bytes(row_bytes, num_scales, num_topk)
-        rows = plan.ring_rows(nvl.nbytes, staging, record, num_ranks, "dispatch")
-        name = plan.dispatch_kernel(num_ranks, row_bytes, num_scales, index_type, fresh)
-        return _Geometry(gb, nvl, _kernel(gb, name, trace), plan.dispatch_split(num_sms, num_ranks),
-                         staging, record, rows, plan.DispatchParams, DISPATCH_OP)
-    return _geometry(gb, config, key, build)
-
-
-def _combine_geometry(gb, config, row_bytes: int, num_topk: int, trace: bool) -> _Geometry:
-    num_ranks, num_sms = gb.num_ranks, config.num_sms
-    key = ("combine", id(gb.nvl), num_sms, gb.arch.feature, row_bytes,
-           num_topk, trace)
-
-    def build(nvl):
-        staging = plan.combine_staging_offset(num_ranks)
-        record = plan.combine_record_bytes(row_bytes, num_topk)
-        rows = plan.ring_rows(nvl.nbytes, staging, record, num_ranks, "combine")
-        return _Geometry(gb, nvl, _kernel(gb, plan.combine_kernel(num_ranks, row_bytes), trace),
-                         plan.combine_split(num_sms, num_ranks), staging, record, rows, plan.CombineParams,
-                         COMBINE_OP)
-    return _geometry(gb, config, key, build)
-
-
-def _aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """16-byte aligned rows for vector accesses (a view at an odd offset is copied)."""
-    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()
-
-
-def _ptr(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None or t.numel() == 0 else t.data_ptr()
-
-
-def _host_ints(gb, ints: torch.Tensor) -> List[int]:
-    """The values of a device int32 tensor once the stream got there (a GPU failure recorded by
-    then raises first: PeerTimeout / DeviceCheckFailed)."""
-    pinned = torch.empty(ints.shape, dtype=torch.int32, pin_memory=True)
-    pinned.copy_(ints, non_blocking=True)   # queued on gb.device's current stream
-    torch.cuda.current_stream(gb.device_index).synchronize()
-    gb.check_errors()
-    return pinned.tolist()
-
-
-def _launch(gb, kernel, grid: int, threads: int, params) -> None:
-    kernel.launch((grid, 1, 1), (threads, 1, 1), params, _stream(gb.device_index))
+def _combine_plan(gb, spec: CombineSpec) -> _Plan:
+    _prepare(gb, spec.num_sms, "combine")
+    num_ranks = gb.num_ranks
+    staging = plan.combine_staging_offset(num_ranks)
+    record = plan.combine_record_bytes(spec.row_bytes, spec.num_topk)
+    rows = plan.ring_rows(gb.nvl.nbytes, staging, record, num_ranks, "combine")
+    return _Plan(gb, _kernel(gb, plan.combine_kernel(num_ranks, spec.row_bytes), spec.trace),
+                 plan.combine_split(spec.num_sms, num_ranks), staging, record, rows, plan.CombineParams,
+                 COMBINE_OP)
 
 
 # ---- dispatch --------------------------------------------------------------------------------
@@ -191,14 +155,14 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
     """Backend.dispatch for ranks in one NVLink domain (arguments validated by Buffer)."""
     what = "dispatch"
     num_ranks, device, trace = gb.num_ranks, gb.device, _tracing_on
-    x = _aligned(x)
+    x = aligned(x)
     num_tokens, hidden = x.shape
     row_bytes = hidden * x.element_size()
     num_scales = 0 if x_scales is None else x_scales.shape[1]
     fresh = handle is None
 
     if fresh:
-        topk_idx, topk_weights = _aligned(topk_idx), _aligned(topk_weights)
+        topk_idx, topk_weights = aligned(topk_idx), aligned(topk_weights)
         if num_worst_tokens == 0 and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{what}: an exact-size dispatch reads the received counts on the host, "
                                f"which a CUDA graph cannot capture; pass num_worst_tokens > 0 (or a "
@@ -206,10 +170,10 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         chunks = plan.num_chunks(config.num_sms, num_ranks)
         num_local_experts = num_tokens_per_expert.shape[0] // num_ranks
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
-        index_type = _INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
+        index_type = INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
         # Checks (ValueError) before anything is launched.
-        geometry = _dispatch_geometry(gb, config, row_bytes, num_scales, num_topk, index_type,
-                                      num_local_experts, True, trace)
+        planned = plan_for(gb, DispatchSpec, (config.num_sms, row_bytes, num_scales, num_topk, index_type,
+                                              num_local_experts, True, trace), _dispatch_plan)
         rank_prefix, channel_prefix, recv_channel_prefix, send_head, info = _notify(
             gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts, trace)
         expert_counts: List[int] = []
@@ -217,14 +181,15 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
             num_out_rows = num_worst_tokens
         else:
             num_out_rows, expert_counts = _read_counts(gb, info, chunks, num_local_experts,
-                                                       expert_alignment, geometry, what)
+                                                       expert_alignment, planned, what)
     else:
         rank_prefix, channel_prefix, recv_channel_prefix, recv_src, is_token_in_rank, send_head = handle
         chunks = channel_prefix.shape[1] - 1
         num_local_experts, num_topk, index_type = 0, 0, "int"
         topk_idx = topk_weights = None
         num_out_rows = recv_src.shape[0]   # exact M, or num_worst_tokens of the fresh call
-        geometry = _dispatch_geometry(gb, config, row_bytes, num_scales, 0, "int", 0, False, trace)
+        planned = plan_for(gb, DispatchSpec, (config.num_sms, row_bytes, num_scales, 0, "int", 0, False, trace),
+                           _dispatch_plan)
 
     recv_x = torch.empty((num_out_rows, hidden), dtype=x.dtype, device=device)
     recv_scales = None if x_scales is None else \
@@ -236,22 +201,24 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
             recv_topk_idx = torch.empty((num_out_rows, num_topk), dtype=topk_idx.dtype, device=device)
             recv_topk_weights = torch.empty((num_out_rows, num_topk), dtype=torch.float32, device=device)
 
-    p = geometry.params
-    p.x, p.x_scales, p.topk_idx, p.topk_weights = _ptr(x), _ptr(x_scales), _ptr(topk_idx), _ptr(topk_weights)
-    p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
-    p.recv_channel_prefix, p.send_head = recv_channel_prefix.data_ptr(), _ptr(send_head)
-    p.recv_x, p.recv_x_scales, p.recv_src_idx = _ptr(recv_x), _ptr(recv_scales), _ptr(recv_src_idx)
-    p.recv_topk_idx, p.recv_topk_weights = _ptr(recv_topk_idx), _ptr(recv_topk_weights)
-    p.scale_stride_token, p.scale_stride_group = x_scales.stride() if x_scales is not None else (0, 0)
-    p.num_tokens, p.num_chunks, p.tokens_per_chunk = num_tokens, chunks, plan.tokens_per_chunk(num_tokens, chunks)
-    p.num_topk, p.num_local_experts, p.num_out_rows = num_topk, num_local_experts, num_out_rows
-    p.trace = _TRACE.zeroed(gb.device_index, geometry.blocks) if trace else 0
-    _launch(gb, geometry.kernel, geometry.blocks, plan.THREADS, p)
+    params = planned.params
+    params.x, params.x_scales = ptr(x), ptr(x_scales)
+    params.topk_idx, params.topk_weights = ptr(topk_idx), ptr(topk_weights)
+    params.rank_prefix, params.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
+    params.recv_channel_prefix, params.send_head = recv_channel_prefix.data_ptr(), ptr(send_head)
+    params.recv_x, params.recv_x_scales, params.recv_src_idx = ptr(recv_x), ptr(recv_scales), ptr(recv_src_idx)
+    params.recv_topk_idx, params.recv_topk_weights = ptr(recv_topk_idx), ptr(recv_topk_weights)
+    params.scale_stride_token, params.scale_stride_group = x_scales.stride() if x_scales is not None else (0, 0)
+    params.num_tokens, params.num_chunks = num_tokens, chunks
+    params.tokens_per_chunk = plan.tokens_per_chunk(num_tokens, chunks)
+    params.num_topk, params.num_local_experts, params.num_out_rows = num_topk, num_local_experts, num_out_rows
+    params.trace = _TRACE.zeroed(gb.device_index, planned.blocks) if trace else 0
+    launch_1d(gb, planned.kernel, planned.blocks, plan.THREADS, params)
 
     if not fresh:
         return DispatchResult(recv_x, recv_scales, None, None, None, None)
-    new_handle = (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank,
-                  send_head)
+    new_handle = IntranodeHandle(rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx,
+                                 is_token_in_rank, send_head)
     return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts,
                           new_handle)
 
@@ -264,29 +231,29 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
     recv_channel_prefix = torch.empty((num_ranks, chunks + 1), dtype=torch.int32, device=device)
     send_head = torch.empty((num_tokens, num_ranks), dtype=torch.int32, device=device)
     params = plan.NotifyParams(
-        is_token_in_rank=_ptr(is_token_in_rank), num_tokens_per_expert=_ptr(num_tokens_per_expert),
-        info=_ptr(info), channel_prefix=_ptr(channel_prefix),
-        recv_channel_prefix=_ptr(recv_channel_prefix), send_head=_ptr(send_head),
+        is_token_in_rank=ptr(is_token_in_rank), num_tokens_per_expert=ptr(num_tokens_per_expert),
+        info=ptr(info), channel_prefix=ptr(channel_prefix),
+        recv_channel_prefix=ptr(recv_channel_prefix), send_head=ptr(send_head),
         peer_bases=gb.nvl.peer_table.data_ptr(), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
         notify_offset=plan.header_bytes(num_ranks), num_tokens=num_tokens, num_chunks=chunks,
         tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
         num_local_experts=num_local_experts, rank=gb.rank, op=DISPATCH_OP,
         trace=_TRACE.zeroed(gb.device_index, 1) if trace else 0)
-    _launch(gb, _kernel(gb, plan.notify_kernel(num_ranks), trace), 1, plan.NOTIFY_THREADS, params)
+    launch_1d(gb, _kernel(gb, plan.notify_kernel(num_ranks), trace), 1, plan.NOTIFY_THREADS, params)
     rank_prefix = info[:num_ranks * num_ranks].view(num_ranks, num_ranks)
     return rank_prefix, channel_prefix, recv_channel_prefix, send_head, info
 
 
-def _read_counts(gb, info, chunks, num_local_experts, expert_alignment, geometry, what):
+def _read_counts(gb, info, chunks, num_local_experts, expert_alignment, planned, what):
     """Exact mode: wait for notify, read the counts; every rank reads the same rank_prefix_matrix
     and N max, so the checks below raise on all ranks alike. (Ranks with different Config.num_sms
     or num_experts were recorded by the notify kernel: check_errors raises that.)"""
     num_ranks = gb.num_ranks
-    values = _host_ints(gb, info)
+    values = host_ints(gb, info)
     rank_prefix = values[:num_ranks * num_ranks]
     experts = values[num_ranks * num_ranks:num_ranks * num_ranks + num_local_experts]
     max_tokens = values[-1]
-    rows, record = geometry.rows, geometry.record
+    rows, record = planned.rows, planned.record
     chunk_rows = plan.tokens_per_chunk(max_tokens, chunks)
     if num_ranks > 1 and chunk_rows > rows:
         raise ValueError(f"{what}: a chunk of up to {chunk_rows} rows ({max_tokens} tokens / {chunks} "
@@ -303,24 +270,26 @@ def combine(gb, x, handle, topk_weights, bias, config):
     """Backend.combine: unweighted fp32 sum of the rows each token sent out, plus bias."""
     device, trace = gb.device, _tracing_on
     rank_prefix, channel_prefix, recv_channel_prefix, _, is_token_in_rank, send_head = handle
-    x, topk_weights = _aligned(x.contiguous()), _aligned(topk_weights)
+    x, topk_weights = aligned(x.contiguous()), aligned(topk_weights)
     bias0, bias1 = bias
-    bias0, bias1 = _aligned(bias0), _aligned(bias1)
+    bias0, bias1 = aligned(bias0), aligned(bias1)
     num_tokens, hidden = is_token_in_rank.shape[0], x.shape[1]
     chunks = channel_prefix.shape[1] - 1
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-    geometry = _combine_geometry(gb, config, hidden * 2, num_topk, trace)
+    planned = plan_for(gb, CombineSpec, (config.num_sms, hidden * 2, num_topk, trace), _combine_plan)
 
     combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
     combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device) \
         if num_topk else None
-    p = geometry.params
-    p.x, p.topk_weights, p.bias0, p.bias1 = _ptr(x), _ptr(topk_weights), _ptr(bias0), _ptr(bias1)
-    p.rank_prefix, p.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
-    p.recv_channel_prefix, p.send_head = recv_channel_prefix.data_ptr(), _ptr(send_head)
-    p.combined_x, p.combined_weights = _ptr(combined_x), _ptr(combined_weights)
-    p.num_tokens, p.num_chunks, p.tokens_per_chunk = num_tokens, chunks, plan.tokens_per_chunk(num_tokens, chunks)
-    p.num_topk = num_topk
-    p.trace = _TRACE.zeroed(gb.device_index, geometry.blocks) if trace else 0
-    _launch(gb, geometry.kernel, geometry.blocks, plan.THREADS, p)
+    params = planned.params
+    params.x, params.topk_weights = ptr(x), ptr(topk_weights)
+    params.bias0, params.bias1 = ptr(bias0), ptr(bias1)
+    params.rank_prefix, params.channel_prefix = rank_prefix.data_ptr(), channel_prefix.data_ptr()
+    params.recv_channel_prefix, params.send_head = recv_channel_prefix.data_ptr(), ptr(send_head)
+    params.combined_x, params.combined_weights = ptr(combined_x), ptr(combined_weights)
+    params.num_tokens, params.num_chunks = num_tokens, chunks
+    params.tokens_per_chunk = plan.tokens_per_chunk(num_tokens, chunks)
+    params.num_topk = num_topk
+    params.trace = _TRACE.zeroed(gb.device_index, planned.blocks) if trace else 0
+    launch_1d(gb, planned.kernel, planned.blocks, plan.THREADS, params)
     return combined_x, combined_weights

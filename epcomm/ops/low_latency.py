@@ -2,7 +2,7 @@
 protocol is described), launched once per call, or twice with return_recv_hook (send part now,
 receive part in the hook). Buffer layout: epcomm/ops/low_latency_layout.py.
 
-The host path per call, kept to the minimum: one dict lookup for the kernel and its cached Params
+The host path per call, kept to the minimum: the backend's lookup of the kernel and its cached Params
 (one per buffer set, every call-independent field filled once), the outputs (the previous call's
 on this set when nothing refers to them any more, see _Outputs; otherwise one torch allocation each:
 5 for FP8 dispatch with the scales created column-major by empty_strided, 1 for combine, none with
@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from .. import env
-from ..backend import LowLatencyDispatchResult
+from ..backend import LowLatencyDispatchResult, LowLatencyHandle
 from ..runtime.compiler import KernelSource
-from ..streams import current_stream_handle as _stream
+from ._common import INDEX_TYPES, backend_kernel, current_stream, plan_for, ptr
 from .trace import TraceRows
-from .low_latency_layout import (MAX_TOPK, THREADS, Layout, dispatch_smem_bytes, rdma_size_hint)
-
-__all__ = ["LowLatency", "rdma_size_hint", "representative_sources", "MAX_TOPK"]
+from .low_latency_layout import MAX_TOPK, THREADS, Layout, dispatch_smem_bytes
 
 SEND, RECV = 1, 2                  # Params.phases
-_INDEX_TYPES = {torch.int64: "long long", torch.int32: "int"}
 _P = ctypes.c_void_p
 
 DISPATCH_PHASES = ["wait for a peer to release the buffer set", "wait for a source's token list",
@@ -75,14 +72,14 @@ def dispatch_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int
     b = lambda v: "true" if v else "false"
     kernel = (f"epcomm::ll::dispatch_kernel<{hidden}, {num_topk}, {num_ranks}, {num_experts}, {num_max_tokens}, "
               f"{b(use_fp8)}, {b(use_fp8 and round_scale)}, {b(use_fp8 and use_ue8m0)}, "
-              f"{_INDEX_TYPES[index_dtype]}, {THREADS}>")
+              f"{INDEX_TYPES[index_dtype]}, {THREADS}>")
     return KernelSource("low_latency.cu", (kernel,), _trace_defines(trace), uses_nvshmem=True)
 
 
 def combine_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int, num_max_tokens: int,
                    index_dtype=torch.int64, trace: bool = False) -> KernelSource:
     kernel = (f"epcomm::ll::combine_kernel<{hidden}, {num_topk}, {num_ranks}, {num_experts}, {num_max_tokens}, "
-              f"{_INDEX_TYPES[index_dtype]}, {THREADS}>")
+              f"{INDEX_TYPES[index_dtype]}, {THREADS}>")
     return KernelSource("low_latency.cu", (kernel,), _trace_defines(trace), uses_nvshmem=True)
 
 
@@ -156,14 +153,46 @@ class _Outputs:
         self.stream, self.tensors = stream, tensors
 
 
+class DispatchSpec(NamedTuple):
+    """A low-latency dispatch plan's key (the Buffer fixes ranks, RDMA buffer and feature set)."""
+    num_max_tokens: int          # T
+    hidden: int
+    num_experts: int
+    num_topk: int
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+    index_dtype: torch.dtype
+    trace: bool
+
+
+class CombineSpec(NamedTuple):
+    num_max_tokens: int
+    hidden: int
+    num_experts: int
+    num_topk: int
+    index_dtype: torch.dtype
+    trace: bool
+
+
 class _Plan:
     """A loaded kernel, its launch shape, one Params and one output pool per buffer set (set-fixed
     fields filled) and what the per-call path needs, computed once."""
+    __slots__ = ("kernel", "smem", "params", "signal_shape", "hidden", "trace", "outputs")
 
-    def __init__(self, kernel, smem: int, params, signal_shape, **shapes):
+    def __init__(self, kernel, smem: int, params, signal_shape, hidden: int, trace: bool):
         self.kernel, self.smem, self.params, self.signal_shape = kernel, smem, params, signal_shape
+        self.hidden, self.trace = hidden, trace
         self.outputs = (_Outputs(), _Outputs())
-        self.__dict__.update(shapes)
+
+
+class _DispatchPlan(_Plan):
+    """Adds the shapes of the outputs; `scales`: (shape, strides, dtype) or None for BF16."""
+    __slots__ = ("x_shape", "x_dtype", "scales", "src_info_shape", "layout_shape", "count_shape")
+
+
+class _CombinePlan(_Plan):
+    __slots__ = ("zero_copy_x",)   # per buffer set: the send buffer a zero-copy combine reads
 
 
 _capturing = torch.cuda.is_current_stream_capturing
@@ -189,7 +218,6 @@ class LowLatency:
         self.enable_shrink = int(bool(gb.options.get("enable_shrink", False)))
         self.next_set = 0                 # buffer set of the next call (both kinds alternate)
         self.signal_shape: Optional[Tuple[int, int]] = None   # (T, E) the signals are laid out for
-        self._plans: Dict[tuple, _Plan] = {}
         self._combine_views: Dict[tuple, torch.Tensor] = {}
         self._grid, self._block = (gb.arch.num_sms, 1, 1), (THREADS, 1, 1)
         self._device_index = gb.device_index
@@ -217,31 +245,33 @@ class LowLatency:
                 f"clean_low_latency_buffer({T}, {H}, {E}) on every rank first")
         self.signal_shape = shape
 
-    def _fill_shared(self, p, layout: Layout, s: int, op: int) -> None:
+    def _fill_shared(self, params, layout: Layout, buffer_set: int, op: int) -> None:
         gb, base = self.gb, self.gb.rdma.ptr
-        p.heap, p.peer_bases = base, gb.rdma.peer_table.data_ptr()
-        p.acks, p.epochs, p.tickets = base + layout.acks(s), base + layout.epochs(s), base + layout.tickets(s)
-        p.mask, p.failed, p.err = base + layout.mask, base + layout.failed, gb.status.device_ptr
-        p.rank, p.op = self.rank, op
-        p.use_nvlink, p.enable_shrink, p.timeout_ns = self.use_nvlink, self.enable_shrink, gb.timeout_ns
+        params.heap, params.peer_bases = base, gb.rdma.peer_table.data_ptr()
+        params.acks, params.epochs = base + layout.acks(buffer_set), base + layout.epochs(buffer_set)
+        params.tickets = base + layout.tickets(buffer_set)
+        params.mask, params.failed, params.err = base + layout.mask, base + layout.failed, gb.status.device_ptr
+        params.rank, params.op = self.rank, op
+        params.use_nvlink, params.enable_shrink = self.use_nvlink, self.enable_shrink
+        params.timeout_ns = gb.timeout_ns
 
     def _set_for_call(self, plan: _Plan) -> int:
         """This call's buffer set (its Params has the set-fixed fields already)."""
         if plan.signal_shape != self.signal_shape:
             self._check_signals(plan.signal_shape, plan.hidden)
-        s, self.next_set = self.next_set, self.next_set ^ 1
-        return s
+        buffer_set, self.next_set = self.next_set, self.next_set ^ 1
+        return buffer_set
 
-    def _launch(self, plan: _Plan, p, stream: Optional[int] = None) -> None:
-        plan.kernel.launch(self._grid, self._block, p, _stream(self._device_index) if stream is None else stream,
-                           smem=plan.smem)
+    def _launch(self, plan: _Plan, params, stream: Optional[int] = None) -> None:
+        stream = current_stream(self._device_index) if stream is None else stream
+        plan.kernel.launch(self._grid, self._block, params, stream, smem=plan.smem)
 
-    def _hooked(self, plan: _Plan, p, keep_alive: tuple):
+    def _hooked(self, plan: _Plan, params, keep_alive: tuple):
         """Launch the send part now; return the hook that launches the receive part (on the stream
         current when it is called). The hook holds the outputs until the receive part is queued."""
-        p.phases = SEND
-        self._launch(plan, p)
-        recv = type(p).from_buffer_copy(p)
+        params.phases = SEND
+        self._launch(plan, params)
+        recv = type(params).from_buffer_copy(params)
         recv.phases = RECV
         held = list(keep_alive)
 
@@ -251,47 +281,47 @@ class LowLatency:
         return hook
 
     def _kernel(self, src: KernelSource):
-        from ..runtime.module import get_kernel
-        return get_kernel(src, 0, self.gb.device_index, self.gb.arch.feature)
+        return backend_kernel(self.gb, src)
 
     # ---- dispatch ----------------------------------------------------------------------------
-    def _dispatch_plan(self, key: tuple) -> _Plan:
-        _, T, H, E, K, fp8, round_scale, ue8m0, index_dtype, trace = key
+    def _dispatch_plan(self, gb, spec: DispatchSpec) -> _DispatchPlan:
+        T, H, E, K, fp8, round_scale, ue8m0, index_dtype, trace = spec
         layout, R = self._layout(T, H, E), self.num_ranks
         kernel = self._kernel(dispatch_source(H, K, R, E, T, fp8, round_scale, ue8m0, index_dtype, trace))
         smem = dispatch_smem_bytes(H, K, fp8)
         kernel.set_max_dynamic_smem(smem)
-        params = tuple(self._dispatch_params(layout, s) for s in (0, 1))
+        params = tuple(self._dispatch_params(layout, buffer_set) for buffer_set in (0, 1))
         E_l, slots = E // R, R * T
         scales = None
         if fp8:   # [E_l, R*T, S] stored column-major in the last two dims (as [E_l, S, R*T]), as DeepEP
             S = H // 512 if ue8m0 else H // 128
             scales = ((E_l, slots, S), (S * slots, 1, slots), torch.int32 if ue8m0 else torch.float32)
-        plan = _Plan(kernel, smem, params, (T, E), hidden=H, trace=trace, x_shape=(E_l, slots, H),
-                     x_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, scales=scales,
-                     src_info_shape=(E_l, slots), layout_shape=(E_l, R), count_shape=(E_l,))
-        self._plans[key] = plan
+        plan = _DispatchPlan(kernel, smem, params, (T, E), H, trace)
+        plan.x_shape, plan.x_dtype = (E_l, slots, H), torch.float8_e4m3fn if fp8 else torch.bfloat16
+        plan.scales, plan.src_info_shape = scales, (E_l, slots)
+        plan.layout_shape, plan.count_shape = (E_l, R), (E_l,)
         return plan
 
-    def _dispatch_params(self, layout: Layout, s: int) -> DispatchParams:
-        p, base = DispatchParams(), self.gb.rdma.ptr
-        self._fill_shared(p, layout, s, self.dispatch_op)
-        p.token_tags, p.list_tags, p.lists = base + layout.token_tags(s), base + layout.list_tags(s), base + layout.lists(s)
-        p.messages, p.message_stage, p.list_stage = base + layout.recv(s), base + layout.send(s), base + layout.list_stage(s)
-        p.stage_for_puts = int(self.needs_puts)
-        return p
+    def _dispatch_params(self, layout: Layout, buffer_set: int) -> DispatchParams:
+        params, base = DispatchParams(), self.gb.rdma.ptr
+        self._fill_shared(params, layout, buffer_set, self.dispatch_op)
+        params.token_tags, params.list_tags = base + layout.token_tags(buffer_set), base + layout.list_tags(buffer_set)
+        params.lists, params.messages = base + layout.lists(buffer_set), base + layout.recv(buffer_set)
+        params.message_stage, params.list_stage = base + layout.send(buffer_set), base + layout.list_stage(buffer_set)
+        params.stage_for_puts = int(self.needs_puts)
+        return params
 
     def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                  cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
                  use_ue8m0, return_recv_hook) -> LowLatencyDispatchResult:
         T, E = num_max_dispatch_tokens_per_rank, num_experts
         N, H = x.shape
-        key = ("dispatch", T, H, E, topk_idx.shape[1], use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0,
+        key = (T, H, E, topk_idx.shape[1], use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0,
                topk_idx.dtype, _tracing_on)
-        plan = self._plans.get(key) or self._dispatch_plan(key)
-        s = self._set_for_call(plan)
-        p, stream = plan.params[s], _stream(self._device_index)
-        pool = None if return_recv_hook or _capturing() else plan.outputs[s]
+        plan = plan_for(self.gb, DispatchSpec, key, self._dispatch_plan)
+        buffer_set = self._set_for_call(plan)
+        params, stream = plan.params[buffer_set], current_stream(self._device_index)
+        pool = None if return_recv_hook or _capturing() else plan.outputs[buffer_set]
         outputs = pool.take(stream) if pool is not None else None
         if outputs is None:
             device = x.device
@@ -306,38 +336,43 @@ class LowLatency:
                 pool.keep(stream, outputs)
         recv_x, scales, src_info, layout_range, recv_count = outputs
         del outputs
-        p.x, p.topk_idx, p.num_tokens = x.data_ptr(), topk_idx.data_ptr(), N
-        p.recv_x, p.recv_scales = recv_x.data_ptr(), None if scales is None else scales.data_ptr()
-        p.recv_src_info, p.recv_layout_range, p.recv_count = src_info.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr()
-        p.cumulative_recv_stats = _ptr(cumulative_local_expert_recv_stats)
-        p.wait_recv_cost_stats = _ptr(dispatch_wait_recv_cost_stats)
-        p.trace = _TRACE.zeroed(self._device_index, self._grid[0]) if plan.trace else 0
+        params.x, params.topk_idx, params.num_tokens = x.data_ptr(), topk_idx.data_ptr(), N
+        params.recv_x, params.recv_scales = recv_x.data_ptr(), ptr(scales)
+        params.recv_src_info, params.recv_layout_range = src_info.data_ptr(), layout_range.data_ptr()
+        params.recv_count = recv_count.data_ptr()
+        params.cumulative_recv_stats = ptr(cumulative_local_expert_recv_stats)
+        params.wait_recv_cost_stats = ptr(dispatch_wait_recv_cost_stats)
+        params.trace = _TRACE.zeroed(self._device_index, self._grid[0]) if plan.trace else 0
         hook = None
         if return_recv_hook:
-            hook = self._hooked(plan, p, (recv_x, scales, src_info, layout_range, recv_count,
+            hook = self._hooked(plan, params, (recv_x, scales, src_info, layout_range, recv_count,
                                           cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats))
         else:
-            p.phases = SEND | RECV
-            self._launch(plan, p, stream)
-        return LowLatencyDispatchResult(recv_x, scales, recv_count, (src_info, layout_range, T, H, E), hook)
+            params.phases = SEND | RECV
+            self._launch(plan, params, stream)
+        return LowLatencyDispatchResult(recv_x, scales, recv_count,
+                                        LowLatencyHandle(src_info, layout_range, T, H, E), hook)
 
     # ---- combine -----------------------------------------------------------------------------
-    def _combine_plan(self, key: tuple) -> _Plan:
-        _, T, H, E, K, index_dtype, trace = key
+    def _combine_plan(self, gb, spec: CombineSpec) -> _CombinePlan:
+        T, H, E, K, index_dtype, trace = spec
         layout = self._layout(T, H, E)
         kernel = self._kernel(combine_source(H, K, self.num_ranks, E, T, index_dtype, trace))
-        params = tuple(self._combine_params(layout, s) for s in (0, 1))
-        send = tuple(self.gb.rdma.ptr + layout.send(s) for s in (0, 1))   # the zero-copy buffers
-        plan = self._plans[key] = _Plan(kernel, 0, params, (T, E), hidden=H, trace=trace, zero_copy_x=send)
+        params = tuple(self._combine_params(layout, buffer_set) for buffer_set in (0, 1))
+        send = tuple(self.gb.rdma.ptr + layout.send(buffer_set) for buffer_set in (0, 1))   # the zero-copy buffers
+        plan = _CombinePlan(kernel, 0, params, (T, E), H, trace)
+        plan.zero_copy_x = send
         return plan
 
-    def _combine_params(self, layout: Layout, s: int) -> CombineParams:
-        p, base = CombineParams(), self.gb.rdma.ptr
-        self._fill_shared(p, layout, s, self.combine_op)
-        p.record_tags, p.partial_tags = base + layout.record_tags(s), base + layout.partial_tags(s)
-        p.records, p.partials = base + layout.records(s), base + layout.recv(s)
-        p.record_stage, p.partial_stage = base + layout.record_stage(s), base + layout.partial_stage(s)
-        return p
+    def _combine_params(self, layout: Layout, buffer_set: int) -> CombineParams:
+        params, base = CombineParams(), self.gb.rdma.ptr
+        self._fill_shared(params, layout, buffer_set, self.combine_op)
+        params.record_tags = base + layout.record_tags(buffer_set)
+        params.partial_tags = base + layout.partial_tags(buffer_set)
+        params.records, params.partials = base + layout.records(buffer_set), base + layout.recv(buffer_set)
+        params.record_stage = base + layout.record_stage(buffer_set)
+        params.partial_stage = base + layout.partial_stage(buffer_set)
+        return params
 
     def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, return_recv_hook, out,
                 combine_wait_recv_cost_stats):
@@ -346,12 +381,11 @@ class LowLatency:
                                       "payload is not implemented; use BF16 (use_logfmt=False)")
         src_info, layout_range, T, H, E = handle
         N, K = topk_idx.shape
-        key = ("combine", T, H, E, K, topk_idx.dtype, _tracing_on)
-        plan = self._plans.get(key) or self._combine_plan(key)
-        s = self._set_for_call(plan)
-        p, stream = plan.params[s], _stream(self._device_index)
+        plan = plan_for(self.gb, CombineSpec, (T, H, E, K, topk_idx.dtype, _tracing_on), self._combine_plan)
+        buffer_set = self._set_for_call(plan)
+        params, stream = plan.params[buffer_set], current_stream(self._device_index)
         if out is None:
-            pool = None if return_recv_hook or _capturing() else plan.outputs[s]
+            pool = None if return_recv_hook or _capturing() else plan.outputs[buffer_set]
             pooled = pool.take(stream) if pool is not None else None
             if pooled is not None and pooled[0].shape[0] == N:
                 out = pooled[0]
@@ -361,15 +395,16 @@ class LowLatency:
                     pool.keep(stream, (out,))
             del pooled
         # zero_copy: the data is in this set's send buffer (get_next_low_latency_combine_buffer).
-        p.x = plan.zero_copy_x[s] if zero_copy else x.data_ptr()
-        p.src_info, p.layout_range = src_info.data_ptr(), layout_range.data_ptr()
-        p.topk_idx, p.topk_weights, p.out, p.num_tokens = topk_idx.data_ptr(), topk_weights.data_ptr(), out.data_ptr(), N
-        p.wait_recv_cost_stats = _ptr(combine_wait_recv_cost_stats)
-        p.trace = _TRACE.zeroed(self._device_index, self._grid[0]) if plan.trace else 0
+        params.x = plan.zero_copy_x[buffer_set] if zero_copy else x.data_ptr()
+        params.src_info, params.layout_range = src_info.data_ptr(), layout_range.data_ptr()
+        params.topk_idx, params.topk_weights = topk_idx.data_ptr(), topk_weights.data_ptr()
+        params.out, params.num_tokens = out.data_ptr(), N
+        params.wait_recv_cost_stats = ptr(combine_wait_recv_cost_stats)
+        params.trace = _TRACE.zeroed(self._device_index, self._grid[0]) if plan.trace else 0
         if return_recv_hook:
-            return out, self._hooked(plan, p, (out, topk_idx, topk_weights, combine_wait_recv_cost_stats))
-        p.phases = SEND | RECV
-        self._launch(plan, p, stream)
+            return out, self._hooked(plan, params, (out, topk_idx, topk_weights, combine_wait_recv_cost_stats))
+        params.phases = SEND | RECV
+        self._launch(plan, params, stream)
         return out, None
 
     def next_combine_buffer(self, handle) -> torch.Tensor:
@@ -402,7 +437,3 @@ class LowLatency:
 
     def clean_mask(self) -> None:
         self._mask.zero_()
-
-
-def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-    return None if t is None else t.data_ptr()

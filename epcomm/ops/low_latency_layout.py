@@ -53,10 +53,6 @@ def message_bytes(hidden: int, fp8: bool) -> int:
     return hidden + _align(4 * (hidden // SCALE_CHANNELS), 16)
 
 
-def payload_bytes(hidden: int, fp8: bool) -> int:
-    return hidden if fp8 else 2 * hidden
-
-
 def list_bytes(num_max_tokens: int) -> int:
     return LIST_HEADER_BYTES + 4 * num_max_tokens
 

@@ -22,7 +22,7 @@ import torch
 
 from ..runtime.compiler import KernelSource
 from ..runtime.module import get_kernel
-from ..streams import current_stream_handle as _stream
+from ._common import current_stream as _stream
 
 THREADS = 1024
 MAX_TARGETS = 6

@@ -6,15 +6,14 @@ definition. Calls are collective: every rank of the group makes the same calls i
 Everything is synchronous; there are no streams, so the GPU-only knobs (config, events) are
 accepted and have no effect.
 
-num_local_ranks (ranks of one "node"): options["num_local_ranks"], else EPCOMM_NUM_LOCAL_RANKS, else
-the LOCAL_WORLD_SIZE of torchrun (capped at the group size), else the whole group. With fewer local ranks than ranks the
-internode semantics apply: layout returns num_tokens_per_rdma_rank and dispatch the 10-tuple
+num_local_ranks (ranks of one "node"): the GPU backend's rule (epcomm.runtime.topology: the ranks of
+one host, cut by EPCOMM_NUM_LOCAL_RANKS), with options["num_local_ranks"] in place of the variable
+where given (tests). With fewer local ranks than ranks the internode semantics apply: layout returns num_tokens_per_rdma_rank and dispatch the 10-tuple
 handle (see handles.py for both handle layouts).
 """
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -23,23 +22,33 @@ import torch.distributed as dist
 from .. import env
 from ..backend import Backend, DispatchResult
 from ..errors import BufferUnusable, PeerTimeout
+from ..runtime.topology import host_key, resolve_local_ranks
 from . import handles, oracle
 from .exchange import Exchange
 from .low_latency import LowLatencyState
 
 
-def _num_local_ranks(options: dict, num_ranks: int) -> int:
-    value = options.get("num_local_ranks")
-    if value is None:
-        value = env.num_local_ranks()
-    if value is None:
-        # torchrun's own variable (not an epcomm knob): ranks per node
-        local_world = os.environ.get("LOCAL_WORLD_SIZE")
-        value = min(int(local_world), num_ranks) if local_world else num_ranks
-    value = int(value)
-    if value < 1 or num_ranks % value:
-        raise ValueError(f"num_local_ranks ({value}) must divide the number of ranks ({num_ranks})")
-    return value
+def _num_local_ranks(group, options: dict, num_ranks: int) -> int:
+    """Collective: every rank's host and forced count, resolved as the GPU backend does. A bad
+    count on one rank is gathered first, so every rank raises (no rank is left waiting)."""
+    forced, error = options.get("num_local_ranks"), None
+    try:
+        if forced is not None:
+            forced = int(forced)
+            if forced < 1 or num_ranks % forced:
+                raise ValueError(f"num_local_ranks ({forced}) must divide the number of ranks ({num_ranks})")
+        else:
+            forced = env.num_local_ranks()
+    except ValueError as e:
+        forced, error = None, e
+    facts = [None] * num_ranks
+    dist.all_gather_object(facts, (host_key(), forced, None if error is None else str(error)), group=group)
+    if error is not None:
+        raise error
+    failed = [f"rank {r}: {f[2]}" for r, f in enumerate(facts) if f[2]]
+    if failed:
+        raise ValueError("ranks per node refused on other ranks: " + "; ".join(failed))
+    return resolve_local_ranks([f[0] for f in facts], [f[1] for f in facts])
 
 
 class ReferenceBackend(Backend):
@@ -54,7 +63,7 @@ class ReferenceBackend(Backend):
         self.low_latency_mode = low_latency_mode
         local_error, self.num_local_ranks = None, None
         try:
-            self.num_local_ranks = _num_local_ranks(self.options, self.num_ranks)
+            self.num_local_ranks = _num_local_ranks(group, self.options, self.num_ranks)
         except ValueError as e:
             local_error = e
         enable_shrink = bool(self.options.get("enable_shrink", False))

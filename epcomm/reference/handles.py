@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backend import InternodeHandle, IntranodeHandle, named
+
 INTRANODE_HANDLE_LEN = 6
 INTERNODE_HANDLE_LEN = 10
 
@@ -53,8 +55,8 @@ def build_intranode(prefix, recv_src_idx, is_token_in_rank, rank) -> tuple:
     sent = is_token_in_rank.sum(0, dtype=torch.int32)
     received = received_per_source(prefix, rank)
     first_row = (received.cumsum(0) - received).int()
-    return (prefix, sent[:, None].contiguous(), first_row[:, None].contiguous(), recv_src_idx,
-            is_token_in_rank, send_rows(is_token_in_rank, prefix, rank))
+    return IntranodeHandle(prefix, sent[:, None].contiguous(), first_row[:, None].contiguous(), recv_src_idx,
+                           is_token_in_rank, send_rows(is_token_in_rank, prefix, rank))
 
 
 def build_internode(prefix, recv_src_idx, is_token_in_rank, rank, num_local_ranks) -> tuple:
@@ -68,7 +70,8 @@ def build_internode(prefix, recv_src_idx, is_token_in_rank, rank, num_local_rank
     src_meta = torch.full((len(recv_src_idx), 2), -1, dtype=torch.int32)
     src_meta[:len(sources), 0] = sources.int()
     src_meta[:, 1] = recv_src_idx
-    return (is_token_in_rank,
+    return InternodeHandle(
+            is_token_in_rank,
             in_node.sum(0, dtype=torch.int32)[:, None].contiguous(),
             is_token_in_rank.sum(0, dtype=torch.int32)[:, None].contiguous(),
             node_received.int()[:, None].contiguous(),
@@ -90,10 +93,12 @@ class HandleView:
 
 def view(handle: tuple, rank: int) -> HandleView:
     if len(handle) == INTRANODE_HANDLE_LEN:
-        prefix, recv_src_idx, is_token_in_rank = handle[0], handle[3], handle[4]
-        return HandleView(is_token_in_rank, len(recv_src_idx), int(prefix[-1, rank]))
+        intranode = named(IntranodeHandle, handle)
+        return HandleView(intranode.is_token_in_rank, len(intranode.recv_src_idx),
+                          int(intranode.rank_prefix_matrix[-1, rank]))
     if len(handle) == INTERNODE_HANDLE_LEN:
-        is_token_in_rank, gbl_prefix, src_meta = handle[0], handle[6], handle[7]
-        return HandleView(is_token_in_rank, len(src_meta), int(gbl_prefix[-1]))
+        internode = named(InternodeHandle, handle)
+        return HandleView(internode.is_token_in_rank, len(internode.recv_src_meta),
+                          int(internode.recv_gbl_rank_prefix_sum[-1]))
     raise ValueError(f"a dispatch handle is a 6-tuple (intranode) or a 10-tuple (internode), "
                      f"got a {len(handle)}-tuple")

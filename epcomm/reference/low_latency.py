@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import LowLatencyDispatchResult
+from ..backend import LowLatencyDispatchResult, LowLatencyHandle
 from . import oracle
 
 
@@ -58,8 +58,8 @@ class LowLatencyState:
             cumulative_local_expert_recv_stats += result["recv_count"].to(
                 cumulative_local_expert_recv_stats.dtype)
         self.buffer_index ^= 1
-        handle = (result["src_info"], result["layout_range"], num_max_dispatch_tokens_per_rank,
-                  x.shape[1], num_experts)
+        handle = LowLatencyHandle(result["src_info"], result["layout_range"],
+                                  num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
         return LowLatencyDispatchResult(result["recv_x"], result["recv_x_scales"],
                                         result["recv_count"], handle,
                                         _received_already if return_recv_hook else None)

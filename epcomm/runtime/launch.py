@@ -1,10 +1,10 @@
 """Kernel launches through the CUDA driver (ctypes on libcuda.so.1; loaded on first use).
 
-`Kernel.launch(grid, block, params, stream, smem=0, cooperative=False, cluster=None)` passes ONE
+`Kernel.launch(grid, block, params, stream, smem=0, cooperative=False)` passes ONE
 ctypes.Structure by value (the kernel's single Params argument). It is on every call's critical
 path, so a plain launch is one ctypes call (cuLaunchKernel) with a per-thread, prebuilt
 kernelParams array; cooperative launches are one cuLaunchCooperativeKernel call (same argument
-list); cluster launches go through cuLaunchKernelEx.
+list).
 
 The first launch with a given Params class checks it against the kernel: its size against the
 kernel's parameter in the cubin (cuFuncGetParamInfo), and its name against the parameter type in
@@ -18,7 +18,7 @@ import ctypes
 import re
 import threading
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Tuple
 
 from ..errors import EpcommError
 
@@ -29,25 +29,6 @@ _ATTR_SHARED_SIZE_BYTES = 1
 _ATTR_LOCAL_SIZE_BYTES = 3
 _ATTR_NUM_REGS = 4
 _ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
-_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
-
-
-# Mirrors of cuda.h's structs, with its field names (tests/test_jit_compile.py checks them).
-class _LaunchAttributeValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes, pointer-aligned
-    _fields_ = [("pad", ctypes.c_char * 64), ("pointer", c_void_p), ("cooperative", c_int),
-                ("clusterDim", c_uint * 3)]
-
-
-class LaunchAttribute(ctypes.Structure):    # CUlaunchAttribute
-    _fields_ = [("id", c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
-
-
-class LaunchConfigStruct(ctypes.Structure):   # CUlaunchConfig
-    _fields_ = [("gridDimX", c_uint), ("gridDimY", c_uint), ("gridDimZ", c_uint),
-                ("blockDimX", c_uint), ("blockDimY", c_uint), ("blockDimZ", c_uint),
-                ("sharedMemBytes", c_uint), ("hStream", c_void_p),
-                ("attrs", POINTER(LaunchAttribute)), ("numAttrs", c_uint)]
 
 
 _SIGNATURES = {
@@ -65,7 +46,6 @@ _SIGNATURES = {
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": [POINTER(c_int), c_void_p, c_int, c_size_t],
     "cuLaunchKernel": [c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_void_p,
                        c_void_p, c_void_p],
-    "cuLaunchKernelEx": [POINTER(LaunchConfigStruct), c_void_p, c_void_p, c_void_p],
     "cuLaunchCooperativeKernel": [c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint,
                                   c_void_p, c_void_p],
 }
@@ -147,7 +127,6 @@ class LaunchConfig(NamedTuple):
     smem: int
     stream: int
     cooperative: bool
-    cluster: Optional[Tuple[int, int, int]]
 
 
 class Kernel:
@@ -171,7 +150,7 @@ class Kernel:
 
     # ---- launch ------------------------------------------------------------------------------
     def launch(self, grid, block, params: ctypes.Structure, stream: int, smem: int = 0,
-               cooperative: bool = False, cluster=None) -> None:
+               cooperative: bool = False) -> None:
         """grid, block: 3-tuples; stream: CUstream handle (an int: torch's `.cuda_stream`, or
         torch._C._cuda_getCurrentRawStream(device)); smem: dynamic shared-memory bytes (call
         set_max_dynamic_smem first above 48 KiB); cooperative: all blocks co-resident (grid sync)."""
@@ -182,14 +161,14 @@ class Kernel:
         except AttributeError:
             args = _new_args_array()
         args[0] = _addressof(params)           # kernelParams: the address of the one Params struct
-        if cooperative or cluster is not None:
-            return self._launch_special(grid, block, stream, smem, cooperative, cluster, args)
+        if cooperative:
+            return self._launch_cooperative_grid(grid, block, stream, smem, args)
         rc = self._launch(self._handle, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
                           _c_void_p(stream), args, None)
         if rc:
             self._retry_in_context(self._launch, (self._handle, grid[0], grid[1], grid[2], block[0],
                                                   block[1], block[2], smem, c_void_p(stream), args, None),
-                                   rc, LaunchConfig(tuple(grid), tuple(block), smem, stream, False, None))
+                                   rc, LaunchConfig(tuple(grid), tuple(block), smem, stream, False))
 
     def _retry_in_context(self, fn, fn_args, rc: int, config: "LaunchConfig") -> None:
         """After a failed launch call: a wrong (or no) current context on this thread is retried in
@@ -200,33 +179,18 @@ class Kernel:
         if rc:
             self._launch_failed(rc, config)
 
-    def _launch_special(self, grid, block, stream, smem, cooperative, cluster, args) -> None:
-        config = LaunchConfig(tuple(grid), tuple(block), smem, stream, bool(cooperative),
-                              tuple(cluster) if cluster is not None else None)
-        if cooperative:
-            self._check_coresident(grid, block, smem, config)
-            if cluster is None and self._launch_cooperative is not None:
-                fn = self._launch_cooperative
-                fn_args = (self._handle, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
-                           c_void_p(stream), args)
-                rc = fn(*fn_args)
-                if rc:
-                    self._retry_in_context(fn, fn_args, rc, config)
-                return
-        attrs = (LaunchAttribute * 2)()
-        n = 0
-        if cooperative:
-            attrs[n].id, attrs[n].value.cooperative = _LAUNCH_ATTRIBUTE_COOPERATIVE, 1
-            n += 1
-        if cluster is not None:
-            attrs[n].id = _LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attrs[n].value.clusterDim[:] = list(cluster)
-            n += 1
-        cfg = LaunchConfigStruct(*grid, *block, smem, stream, attrs, n)
-        fn = driver().cuLaunchKernelEx
-        rc = fn(byref(cfg), self.function, args, None)
+    def _launch_cooperative_grid(self, grid, block, stream, smem, args) -> None:
+        config = LaunchConfig(tuple(grid), tuple(block), smem, stream, True)
+        self._check_coresident(grid, block, smem, config)
+        fn = self._launch_cooperative
+        if fn is None:
+            raise EpcommError(f"cooperative launch of {self.name}: the CUDA driver has no "
+                              f"cuLaunchCooperativeKernel")
+        fn_args = (self._handle, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
+                   c_void_p(stream), args)
+        rc = fn(*fn_args)
         if rc:
-            self._retry_in_context(fn, (byref(cfg), self.function, args, None), rc, config)
+            self._retry_in_context(fn, fn_args, rc, config)
 
     def _check_coresident(self, grid, block, smem, config) -> None:
         threads = block[0] * block[1] * block[2]

@@ -20,13 +20,12 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
-import socket
 import weakref
-from pathlib import Path
 from typing import Callable, Dict, List, MutableMapping, Optional, Tuple
 
 from ..errors import NvshmemError, ToolchainError
 from . import toolchain
+from .topology import host_key
 
 _LIBRARY = "libnvshmem_host.so.3"
 _INSTALL_HINT = ("install the nvidia-nvshmem-cu13 (CUDA 13) or nvidia-nvshmem-cu12 (CUDA 12) pip "
@@ -155,16 +154,6 @@ def cumodule_init(module_handle: int) -> None:
     rc = library().nvshmemx_cumodule_init(module_handle)
     if rc != 0:
         raise NvshmemError(f"nvshmemx_cumodule_init(module={module_handle:#x}) returned {rc}")
-
-
-def host_key() -> str:
-    """Identifies this host: hostname plus kernel boot id, so two machines that share a hostname
-    (containers, default images) are not mistaken for one NVLink domain."""
-    try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot_id = ""
-    return f"{socket.gethostname()}/{boot_id}"
 
 
 def _make_context_current(device_index: int) -> None:
