@@ -1,21 +1,16 @@
 // Shared pieces of the internode kernels (cuda_src/internode.cu has the protocol): constants, the
 // RDMA buffer header, the Params structs mirrored in epcomm/ops/internode_plan.py, the start / end
 // bookkeeping of every kernel and the record layout.
-//
-// Reused, not copied: intranode::Guard / wait_at_least (bounded waits that poll a failure flag in
-// device memory, never the host-mapped ErrorRecord), intranode::kernel_begin (peer table + epoch)
-// and the low-latency helpers for L2-only loads, warp copies and bf16 conversion. The header below
-// keeps the epoch and the failure flag at the offsets those helpers use (static_asserts).
 #pragma once
 #include "common/nvshmem.cuh"
-#include "intranode_common.cuh"
-#include "low_latency_protocol.cuh"
+#include "common/arch.cuh"
+#include "common/bf16.cuh"
+#include "common/epoch.cuh"
+#include "common/ptx.cuh"
+#include "common/timeout.cuh"
 
 namespace epcomm {
 namespace internode {
-
-using intranode::Guard;
-using intranode::wait_at_least;
 
 constexpr int kThreads = 512;               // data kernels
 constexpr int kWarps = kThreads / 32;
@@ -53,8 +48,6 @@ struct Header {
     static constexpr long long kPartialSignal = kRecordSignal + 8LL * kNodes * kMaxChunks;    // u64[M][chunks]
     static constexpr long long kBytes = (kPartialSignal + 8LL * kNodes * kMaxChunks + 255) / 256 * 256;
 };
-static_assert(Header<1, 1>::kFailed == intranode::Header<1>::kFailed, "Guard::make finds the flag here");
-static_assert(Header<1, 1>::kEpoch == intranode::Header<1>::kEpoch, "kernel_begin reads the epoch here");
 
 struct NotifyParams {
     const bool *is_token_in_rank;        // [N, R]
@@ -147,9 +140,11 @@ template <int kRanks, int kLocal, class Params>
 __device__ __forceinline__ Call begin_call(char **peers, const Params &p) {
     static_assert(kRanks % kLocal == 0, "ranks per node must divide the ranks");
     static_assert(kLocal <= 32, "a lane per local rank (presence bits, waits) assumes <= 32 ranks per node");
-    const unsigned long long epoch = intranode::kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
+    using H = Header<kRanks, kRanks / kLocal>;
+    const unsigned long long epoch = begin_epoch<kRanks>(peers, p.peer_bases, p.rank, H::kEpoch);
     char *base = peers[p.rank];
-    return Call{base, epoch, Guard::make(base, p.err, p.timeout_ns, p.op, p.rank), p.rank, p.rank / kLocal,
+    auto *failed = reinterpret_cast<unsigned int *>(base + H::kFailed);
+    return Call{base, epoch, Guard::make(failed, p.err, p.timeout_ns, p.op, p.rank), p.rank, p.rank / kLocal,
                 p.rank % kLocal};
 }
 

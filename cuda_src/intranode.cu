@@ -43,8 +43,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
     __shared__ int failed;
     const int warp = warp_id(), lane = lane_id(), num_warps = kNotifyThreads / 32;
     if (threadIdx.x == 0) failed = 0;
-    const unsigned long long epoch = kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
-    const Guard ctx = Guard::make(peers[p.rank], p.err, p.timeout_ns, p.op, p.rank);
+    const unsigned long long epoch = begin_epoch<kRanks>(peers, p.peer_bases, p.rank, Header<kRanks>::kEpoch);
+    const Guard ctx = make_guard(peers[p.rank], p.err, p.timeout_ns, p.op, p.rank);
     trace_set(p.trace, kTrStart, trace_now());
     const int n = p.num_tokens, num_chunks = p.num_chunks, tpc = p.tokens_per_chunk, stride = num_chunks + 1;
     const int num_le = p.num_local_experts;

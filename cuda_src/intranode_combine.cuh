@@ -1,17 +1,9 @@
 // Intranode combine, device side: pusher and reducer warps (protocol: intranode.cu).
 #pragma once
-#include "common/bf16.cuh"
 #include "intranode_common.cuh"
 
 namespace epcomm {
 namespace intranode {
-
-// ---- combine ----------------------------------------------------------------------------------
-__device__ __forceinline__ unsigned int f32_to_bf16_rne(float f) {
-    const unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;   // NaN
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
 
 template <int kRanks, int kRowInt4>
 struct Combine {
@@ -147,7 +139,7 @@ struct Combine {
         if (kTrace) {
             const unsigned long long now = trace_now();
             trace_add(p.trace, kTrWaitNs, now - wait_start);
-            if (lane == 0 && p.trace != nullptr && trace_row(p.trace)[kTrFirstData] == 0) trace_row(p.trace)[kTrFirstData] = now;
+            trace_first(p.trace, kTrFirstData, now);
         }
 
         for (int item = part; item < (t1 - t0) * S::kSegs; item += kParts) {
@@ -208,12 +200,7 @@ struct Combine {
 #pragma unroll
                 for (int i = 0; i < kSources; ++i)
                     if (present(i)) add_bf16x8(acc, v[i][u]);
-                int4 out;
-                out.x = (int)(f32_to_bf16_rne(acc[0]) | (f32_to_bf16_rne(acc[1]) << 16));
-                out.y = (int)(f32_to_bf16_rne(acc[2]) | (f32_to_bf16_rne(acc[3]) << 16));
-                out.z = (int)(f32_to_bf16_rne(acc[4]) | (f32_to_bf16_rne(acc[5]) << 16));
-                out.w = (int)(f32_to_bf16_rne(acc[6]) | (f32_to_bf16_rne(acc[7]) << 16));
-                static_cast<int4 *>(p.combined_x)[(long long)t * kRowInt4 + idx] = out;
+                static_cast<int4 *>(p.combined_x)[(long long)t * kRowInt4 + idx] = pack_bf16x8(acc);
             }
             if (weights) {
                 float w = 0.f;

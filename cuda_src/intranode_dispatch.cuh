@@ -177,7 +177,7 @@ struct Dispatch {
             if (kTrace) {
                 const unsigned long long now = trace_now();
                 trace_add(p.trace, kTrWaitNs, now - wait_start);
-                if (lane == 0 && p.trace != nullptr && trace_row(p.trace)[kTrFirstData] == 0) trace_row(p.trace)[kTrFirstData] = now;
+                trace_first(p.trace, kTrFirstData, now);
             }
 
             if (part == 0 && lane == 0 && end - begin > p.ring_rows)

@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     const Guard ctx = Guard::make(p.failed, p.err, p.timeout_ns, p.op, p.rank);
     trace_stamp(p.trace, kTrStart);
     if (p.phases & kSend) {
-        const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
+        const unsigned long long epoch = ld_volatile_u64(p.epochs) + 1;   // in flight with the block state loads
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
         dispatch_send<kHidden, kTopK, kRanks, kExperts, kMaxTokens, kFP8, kRoundScale, TopkT, kThreads>(p, s, ctx, epoch, smem);
         finish_send<kRanks, kThreads / 32, false>(s, p.tickets, p.epochs, epoch);   // per warp: see dispatch_send's end
@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     }
     if (p.phases & kRecv) {
-        const unsigned long long epoch = ld_volatile(p.epochs + 1) + 1;
+        const unsigned long long epoch = ld_volatile_u64(p.epochs + 1) + 1;
         trace_stamp(p.trace, kTrRecvStart);
         dispatch_recv<kHidden, kRanks, kExperts, kMaxTokens, kFP8, kUE8M0, kThreads>(p, s, ctx, epoch);
         trace_stamp(p.trace, kTrRecvDone);
@@ -806,12 +806,8 @@ __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s
             for (int q = 0; q < kPerThread; ++q) {
                 const int c = c0 + q * kThreads;
                 if (c >= kChunks) break;
-                int4 packed;
-                packed.x = static_cast<int>(bf16_bits(acc[q][0]) | (bf16_bits(acc[q][1]) << 16));
-                packed.y = static_cast<int>(bf16_bits(acc[q][2]) | (bf16_bits(acc[q][3]) << 16));
-                packed.z = static_cast<int>(bf16_bits(acc[q][4]) | (bf16_bits(acc[q][5]) << 16));
-                packed.w = static_cast<int>(bf16_bits(acc[q][6]) | (bf16_bits(acc[q][7]) << 16));
-                reinterpret_cast<int4 *>(static_cast<char *>(p.out) + static_cast<long long>(t) * kRowBytes)[c] = packed;
+                reinterpret_cast<int4 *>(static_cast<char *>(p.out) + static_cast<long long>(t) * kRowBytes)[c] =
+                    pack_bf16x8(acc[q]);
             }
         }
         __syncwarp();   // the rank table is rewritten for the next token
@@ -829,7 +825,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     const Guard ctx = Guard::make(p.failed, p.err, p.timeout_ns, p.op, p.rank);
     trace_stamp(p.trace, kTrStart);
     if (p.phases & kSend) {
-        const unsigned long long epoch = ld_volatile(p.epochs) + 1;   // in flight with the block state loads
+        const unsigned long long epoch = ld_volatile_u64(p.epochs) + 1;   // in flight with the block state loads
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
         // The first record, claimed and loaded during the release wait, by as many warps per block
         // as give every block's share of T one record each (one warp at T=128 on 132 SMs), not by
@@ -854,7 +850,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
         load_block_state(s, p.peer_bases, p.mask, p.use_nvlink);
     }
     if (p.phases & kRecv) {
-        const unsigned long long epoch = ld_volatile(p.epochs + 1) + 1;
+        const unsigned long long epoch = ld_volatile_u64(p.epochs + 1) + 1;
         trace_stamp(p.trace, kTrRecvStart);
         combine_recv<kHidden, kTopK, kRanks, kExperts, kMaxTokens, TopkT, kThreads>(p, s, ctx, epoch, ranks);
         trace_stamp(p.trace, kTrRecvDone);

@@ -96,7 +96,7 @@ __global__ void stage_copy(const __grid_constant__ CopyParams p) {
     s.wait_load();
     s.store(p.dst + warp_id() * 64, 1024, lane_id());
     s.wait_store(lane_id());
-    warp_copy_16B<true>(p.dst, p.src, p.n16, lane_id());
+    warp_copy(p.dst, p.n16, lane_id(), [&](int i) { return ld_nc_v4(p.src + i); });
     static_assert(kHasBulkCopy == (kFeature == 90), "feature macros");
 }
 }

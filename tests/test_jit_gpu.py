@@ -64,7 +64,7 @@ __global__ void stage_rows(const __grid_constant__ RowParams p) {
 }
 __global__ void copy16(const __grid_constant__ RowParams p) {
     if (blockIdx.x == 0 && warp_id() == 0)
-        warp_copy_16B<false>(p.dst, p.src, p.rows * p.row_bytes / 16, lane_id());
+        warp_copy(p.dst, p.rows * p.row_bytes / 16, lane_id(), [&](int i) { return p.src[i]; });
 }
 }
 """

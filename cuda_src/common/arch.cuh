@@ -28,21 +28,33 @@ __device__ __forceinline__ uint32_t smem_u32(const void *p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Warp-cooperative copy of n16 16-byte units with plain vector loads/stores, kUnroll loads in
-// flight per lane. kReadOnlySrc: the source does not change during the kernel (non-coherent loads);
-// leave it false for data that peers write while the kernel runs.
-template <bool kReadOnlySrc, int kUnroll = 4>
-__device__ __forceinline__ void warp_copy_16B(int4 *dst, const int4 *src, int n16, int lane) {
-    int i = lane;
-    for (; i + (kUnroll - 1) * kWarpSize < n16; i += kUnroll * kWarpSize) {
-        int4 v[kUnroll];
+// Warp copy of n16 16-byte units: each lane first loads kBatch units (predicated, so no serial
+// tail), then stores them, keeping kBatch loads in flight. `load(i)` reads unit i of the source
+// (ld_nc_v4 for read-only input, ld_cg_v4 for memory peers write during the kernel).
+template <int kBatch = 8, class Load>
+__device__ __forceinline__ void warp_copy(int4 *dst, int n16, int lane, Load load) {
+    for (int base = 0; base < n16; base += kBatch * kWarpSize) {
+        int4 v[kBatch];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = kReadOnlySrc ? ld_nc_v4(src + i + u * kWarpSize)
-                                                              : src[i + u * kWarpSize];
+        for (int u = 0; u < kBatch; ++u) {
+            const int i = base + u * kWarpSize + lane;
+            if (i < n16) v[u] = load(i);
+        }
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) st_cg_v4(dst + i + u * kWarpSize, v[u]);
+        for (int u = 0; u < kBatch; ++u) {
+            const int i = base + u * kWarpSize + lane;
+            if (i < n16) st_cg_v4(dst + i, v[u]);
+        }
     }
-    for (; i < n16; i += kWarpSize) st_cg_v4(dst + i, kReadOnlySrc ? ld_nc_v4(src + i) : src[i]);
+}
+
+// A warp's claim of the next unit of work: lane 0's atomicAdd on the counter, broadcast to every
+// lane. Work taken in atomicAdd order goes to whichever warps are running, so no warp waits for
+// work that only a block not (yet) resident would do.
+__device__ __forceinline__ unsigned int warp_claim(unsigned int *counter) {
+    unsigned int v = 0;
+    if (lane_id() == 0) v = atomicAdd(counter, 1u);
+    return __shfl_sync(0xffffffffu, v, 0);
 }
 
 // ---- SM80: cp.async (global -> shared, 16 bytes per lane) -----------------------------------------

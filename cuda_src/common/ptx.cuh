@@ -78,6 +78,24 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4 *p) {
     return v;
 }
 
+// Memory that peers write while the kernel runs: L2 only, never a stale L1 line.
+__device__ __forceinline__ int4 ld_cg_v4(const void *p) {
+    int4 v;
+    asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ int ld_cg(const int *p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float ld_cg(const float *p) { return __int_as_float(ld_cg(reinterpret_cast<const int *>(p))); }
+
+// A word that the previous kernel (or this one's other blocks) wrote; no ordering implied.
+__device__ __forceinline__ unsigned long long ld_volatile_u64(const void *p) {
+    return *static_cast<const volatile unsigned long long *>(p);
+}
+
 __device__ __forceinline__ void st_cg_v4(int4 *p, int4 v) {
     asm volatile("st.global.cg.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
                  "r"(v.w) : "memory");

@@ -55,7 +55,7 @@ def representative_sources() -> List[KernelSource]:
 
 def kernel_source(name: str, trace: bool = False) -> KernelSource:
     """The unit that builds one intranode kernel (a name from intranode_plan: notify_kernel, ...)."""
-    return KernelSource("intranode.cu", (name,), (("EPCOMM_INTRANODE_TRACE", 1),) if trace else ())
+    return KernelSource("intranode.cu", (name,), (("EPCOMM_TRACE", 1),) if trace else ())
 
 
 def _kernel(gb, name: str, trace: bool):
@@ -64,7 +64,7 @@ def _kernel(gb, name: str, trace: bool):
 
 
 # ---- profiling mode (EPCOMM_INTRANODE_TRACE=1) -----------------------------------------------
-# Kernels built with -DEPCOMM_INTRANODE_TRACE stamp %globaltimer per warp and phase into a device
+# Kernels built with -DEPCOMM_TRACE stamp %globaltimer per warp and phase into a device
 # buffer (slots: intranode_plan.TRACE_SLOTS); last_trace() returns the latest launch's stamps.
 # The environment is read once, at import (a read per call costs ~2.5 us); set_tracing switches.
 _TRACE = TraceRows(plan.TRACE_WARPS, len(plan.TRACE_SLOTS))

@@ -66,7 +66,7 @@ class CombineParams(ctypes.Structure):
 
 # ---- kernel specialisations --------------------------------------------------------------------
 def _trace_defines(trace: bool) -> tuple:
-    return (("EPCOMM_LL_TRACE", 1),) if trace else ()
+    return (("EPCOMM_TRACE", 1),) if trace else ()
 
 
 def dispatch_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int, num_max_tokens: int,
@@ -87,7 +87,7 @@ def combine_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int,
 
 
 # ---- profiling builds (EPCOMM_LL_TRACE=1, or set_tracing) ------------------------------------
-# Kernels built with -DEPCOMM_LL_TRACE stamp %globaltimer per (block, warp) at the phase ends named
+# Kernels built with -DEPCOMM_TRACE stamp %globaltimer per (block, warp) at the phase ends named
 # here (cuda_src/low_latency_protocol.cuh, TraceSlot); last_trace() returns the latest launch's.
 # The environment is read once, at import (a read per call costs ~2.5 us); set_tracing switches.
 TRACE_SLOTS = ["start", "released", "send_a", "send_b", "send_c", "send_done", "recv_start", "recv_ready",
