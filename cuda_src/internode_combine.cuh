@@ -1,8 +1,8 @@
 // Internode combine, device side: push rows over NVLink to the RDMA peer of their source, reduce
 // per node in fp32, put the partial sums over RDMA, sum the nodes at the source. Protocol:
-// internode.cu.
+// cuda_src/README.md.
 #pragma once
-#include "internode_common.cuh"
+#include "internode_protocol.cuh"
 
 namespace epcomm {
 namespace internode {

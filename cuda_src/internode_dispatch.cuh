@@ -1,7 +1,7 @@
 // Internode dispatch, device side: the RDMA stage (records to the RDMA peer of each destination
-// node) and the NVLink stage (local ranks pull their rows), padding. Protocol: internode.cu.
+// node) and the NVLink stage (local ranks pull their rows), padding. Protocol: cuda_src/README.md.
 #pragma once
-#include "internode_common.cuh"
+#include "internode_protocol.cuh"
 
 namespace epcomm {
 namespace internode {

@@ -1,6 +1,6 @@
-// Intranode combine, device side: pusher and reducer warps (protocol: intranode.cu).
+// Intranode combine, device side: pusher and reducer warps (protocol: cuda_src/README.md).
 #pragma once
-#include "intranode_common.cuh"
+#include "intranode_protocol.cuh"
 
 namespace epcomm {
 namespace intranode {
@@ -99,14 +99,10 @@ struct Combine {
 
     // One claim: wait for every peer's chunk g, then reduce items part, part + kParts, ... of the
     // chunk's (token, segment) items. False on failure (nothing reduced).
-    // An item waits one memory latency (its sources' loads, all in flight together), and a claim is
-    // ~16 items, so every other latency shows: the claim's send_head loads are issued before its
-    // ready wait; bias rows load with the ranks' rows as two more sources (kBias: loaded per 16-byte
-    // step they were two dependent latencies per step, ~14 per item); up to 4 ranks, the top-k
-    // weights load with the first segment's rows (after the row stores they were two dependent
-    // latencies on each such item, which sit in 2 of every 8 claims). Run 3 fit (bench/NOTES.md):
-    // reducing ran at ~16.5 GB/s of output per block, the limit of the combine at 24 SMs. (Taking the
-    // next claim ahead does not fit: at 128 registers its result spills, the spill waits for the atomic.)
+    // An item should cost one memory latency (all its sources' loads in flight together), so every
+    // other load is hoisted off that path: the claim's send_head loads before its ready wait, bias
+    // rows as two more sources beside the ranks' rows (kBias), and up to 4 ranks the top-k weights
+    // with the first segment's rows. (Taking the next claim ahead spills at 128 registers.)
     template <bool kBias>
     static __device__ __forceinline__ bool reduce_claim(const CombineParams &p, char *local, int self_base, int g,
                                                         int part, const Guard &ctx) {

@@ -1,6 +1,6 @@
-// Intranode dispatch, device side: sender and receiver warps, padding (protocol: intranode.cu).
+// Intranode dispatch, device side: sender and receiver warps, padding (protocol: cuda_src/README.md).
 #pragma once
-#include "intranode_common.cuh"
+#include "intranode_protocol.cuh"
 
 namespace epcomm {
 namespace intranode {

@@ -1,10 +1,11 @@
-// Shared pieces of the intranode kernels (cuda_src/intranode.cu has the protocol): constants,
-// the NVL buffer header, the Params structs mirrored in epcomm/ops/intranode_plan.py, signal
-// helpers and bounded waits.
+// Shared pieces of the intranode kernels (protocol: cuda_src/README.md): constants, phases, the NVL
+// buffer header and the Params structs (read by the host through epcomm.runtime.cuda_decls), signal
+// helpers, the chunk loop of the sending blocks.
 #pragma once
 #include "common/arch.cuh"
 #include "common/bf16.cuh"
 #include "common/epoch.cuh"
+#include "common/limits.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
 #include "common/trace.cuh"
@@ -12,25 +13,26 @@
 namespace epcomm {
 namespace intranode {
 
-constexpr int kThreads = 512;              // data kernels
+constexpr int kThreads = kDataThreads;     // data kernels
 constexpr int kWarps = kThreads / 32;      // = sender warps per chunk = ready count of a chunk
 constexpr int kNotifyThreads = 1024;
 constexpr int kMaxChunks = 1024;           // G <= kMaxChunks (signal arrays are sized by it)
 constexpr int kParts = 8;                  // a received chunk is claimed in kParts pieces
 // 16-byte loads a lane keeps in flight when copying a row (per warp and rank in the reduction).
-// Copies are latency-bound per SM: 8 (16 warps x 8 x 512 B = 56 KiB in flight) measured ~54 GB/s
-// per sending SM on H200 (bench/NOTES.md), so 16 doubles the bytes in flight for small SM counts.
+// Copies are latency-bound per SM, so more bytes in flight help most at small SM counts.
 constexpr int kMaxUnroll = 16;
 
-// Phases recorded in ErrorRecord.phase (named by PHASES in epcomm/ops/intranode_plan.py, same order).
+// Phases recorded in ErrorRecord.phase; each comment is the phase's name in the host's errors
+// (epcomm.ops.intranode_plan.PHASES reads them).
 enum Phase : int {
-    kPhasePeerBusy = 0,      // waiting for a peer to finish its previous intranode kernel
-    kPhaseCounts = 1,        // notify: waiting for a peer's counts
-    kPhaseData = 2,          // waiting for a peer's rows of a chunk
-    kPhaseRingSpace = 3,     // waiting for a peer to consume rows that a new chunk overwrites
-    kPhaseChunkTooBig = 4,   // a chunk has more rows than the receive ring
-    kPhaseWorstTokens = 5,   // more rows received than num_worst_tokens
-    kPhaseConfigMismatch = 6 // ranks use different chunk counts or expert counts
+    kPhasePeerBusy = 0,       // peer still busy with its previous intranode kernel
+    kPhaseCounts = 1,         // waiting for the peer's token counts
+    kPhaseData = 2,           // waiting for the peer's rows
+    kPhaseRingSpace = 3,      // waiting for the peer to free receive-ring space
+    kPhaseChunkTooBig = 4,    // a chunk has more rows than the receive ring (num_nvl_bytes too small)
+    kPhaseWorstTokens = 5,    // more rows received than num_worst_tokens
+    kPhaseConfigMismatch = 6  // ranks use different chunk counts or expert counts (Config.num_sms or
+                              // num_experts differ)
 };
 
 // Header of every rank's NVL buffer, then (dispatch only) the notify area, then the rings.
@@ -61,10 +63,10 @@ struct NotifyParams {
     unsigned long long timeout_ns;
     long long notify_offset;         // bytes from the buffer base to the notify area
     int num_tokens, num_chunks, tokens_per_chunk, num_local_experts;
+    int notify_ints;                 // ints one source writes into each rank's notify area
     int rank, op;
     unsigned long long *trace;       // [blocks, kTraceWarps, kTraceSlots] when built with EPCOMM_INTRANODE_TRACE
 };
-static_assert(sizeof(NotifyParams) == 112, "NotifyParams is mirrored in epcomm/ops/intranode_plan.py");
 
 struct DispatchParams {
     const void *x;                   // [N, H] bf16 or e4m3
@@ -86,10 +88,9 @@ struct DispatchParams {
     unsigned long long timeout_ns;
     long long staging_offset;
     int ring_rows, record_bytes, num_tokens, num_chunks, tokens_per_chunk, num_topk;
-    int num_local_experts, num_out_rows, rank, num_send_blocks, op, pad_;
+    int num_local_experts, num_out_rows, rank, num_send_blocks, op;
     unsigned long long *trace;
 };
-static_assert(sizeof(DispatchParams) == 208, "DispatchParams is mirrored in epcomm/ops/intranode_plan.py");
 
 struct CombineParams {
     const void *x;                   // [M, H] bf16, this rank's dispatch row order
@@ -103,10 +104,9 @@ struct CombineParams {
     unsigned long long timeout_ns;
     long long staging_offset;
     int ring_rows, record_bytes, num_tokens, num_chunks, tokens_per_chunk, num_topk;
-    int rank, num_send_blocks, op, pad_;
+    int rank, num_send_blocks, op;
     unsigned long long *trace;
 };
-static_assert(sizeof(CombineParams) == 160, "CombineParams is mirrored in epcomm/ops/intranode_plan.py");
 
 // ---- trace (profiling builds: common/trace.cuh) -------------------------------------------------
 // Rows [block][kTraceWarps][kTraceSlots] of Params::trace; the slot meanings are named by
@@ -299,8 +299,8 @@ __device__ __forceinline__ KernelStart data_kernel_begin(BlockShared<kRanks> &sh
 // The chunk loop of a sending block (dispatch senders, combine pushers), per warp. Chunks go to the
 // sending blocks one at a time, in increasing order, from a rank-wide counter (claim_chunk), so a
 // block that moves rows faster takes more of them and all sending blocks run out within about one
-// chunk of each other. (A static chunk-to-block map left 80-110 us between the first and the last
-// sending block to finish, bench/NOTES.md run 3.) Rows still land where send_head puts them, and
+// chunk of each other (a static chunk-to-block map left the slowest block far behind). Rows still
+// land where send_head puts them, and
 // every chunk is signalled on its own, so the order in which chunks complete does not matter to the
 // receivers; increasing claims keep the ring-space waits deadlock-free (a chunk waits only for
 // chunks claimed before it). For each chunk g: wait until every peer consumed the rows that g

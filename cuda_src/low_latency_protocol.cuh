@@ -1,11 +1,12 @@
-// Building blocks of the low-latency kernels (cuda_src/low_latency.cu, where the protocol is
-// described): ordered / L2-only loads, warp copies, bf16 and e4m3 conversions, bounded waits on
-// tags, the per-block peer state, buffer-set release (acks) and the end-of-launch ticket.
+// Shared pieces of the low-latency kernels (protocol: cuda_src/README.md): the Params structs (read
+// by the host through epcomm.runtime.cuda_decls), phases, e4m3 conversion, bounded waits on tags,
+// stamped words, the per-block peer state, buffer-set release (acks) and the end-of-launch tickets.
 #pragma once
 #include "common/nvshmem.cuh"
 #include "common/arch.cuh"
 #include "common/bf16.cuh"
 #include "common/epoch.cuh"
+#include "common/limits.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
 #include "common/trace.cuh"
@@ -19,6 +20,91 @@ constexpr int kListHeaderBytes = 16;         // count (int) + padding, then the 
 constexpr float kFp8Max = 448.0f;
 constexpr float kFp8MaxInv = static_cast<float>(1.0 / 448.0);
 constexpr float kFp8AmaxFloor = 1e-4f;
+
+// ---- Params (mirrored by epcomm/ops/low_latency.py) ------------------------------------------
+struct DispatchParams {
+    const void *x;                     // [N, H] bf16
+    const void *topk_idx;              // [N, K] TopkT
+    void *recv_x;                      // [E_l, R*T, H] e4m3 or bf16
+    void *recv_scales;                 // [E_l, S, R*T] f32 or [E_l, S/4, R*T] i32 (UE8M0); null for bf16
+    int *recv_src_info;                // [E_l, R*T]
+    long long *recv_layout_range;      // [E_l, R]
+    int *recv_count;                   // [E_l]
+    int *cumulative_recv_stats;        // [E_l] or null
+    long long *wait_recv_cost_stats;   // [R] or null
+    char *heap;                        // this rank's base of the symmetric buffer
+    const long long *peer_bases;       // [R] NVLink mapping of each rank's buffer, 0 = none
+    unsigned long long *acks;          // [R] this set's acknowledgements (README: buffer-set reuse)
+    unsigned long long *epochs;        // [2] calls this rank sent / received on this set
+    unsigned int *tickets;             // [kCounters]: send / receive tickets of this launch (enum Counter)
+    int *mask;                         // [R] nonzero = masked rank
+    unsigned int *failed;              // nonzero once a wait of this rank failed (Guard's sticky flag)
+    unsigned long long *token_tags;    // [R][T]: one per (source rank, token)
+    unsigned long long *list_tags;     // [E_l][R]
+    char *lists;                       // [E_l][R][16 + 4T]
+    char *messages;                    // [R][T][message bytes]
+    char *message_stage;               // [T][message bytes], source of puts
+    char *list_stage;                  // [E][16 + 4T], source of puts
+    ErrorRecord *err;
+    unsigned long long timeout_ns;
+    int num_tokens;
+    int rank;
+    int phases;
+    int use_nvlink;                    // 0: every other rank through NVSHMEM puts
+    int stage_for_puts;                // some destination needs puts: fill the stages
+    int enable_shrink;                 // mask a peer that times out instead of failing
+    int op;                            // epcomm.runtime.status op id
+    unsigned long long *trace;         // [blocks][warps][kTraceSlots] in EPCOMM_LL_TRACE builds, else null
+};
+
+struct CombineParams {
+    const void *x;                     // [E_l, R*T, H] bf16
+    const int *src_info;               // [E_l, R*T]
+    const long long *layout_range;     // [E_l, R]
+    const void *topk_idx;              // [N, K] TopkT
+    const float *topk_weights;         // [N, K]
+    void *out;                         // [N, H] bf16
+    long long *wait_recv_cost_stats;   // [R] or null
+    char *heap;
+    const long long *peer_bases;
+    unsigned long long *acks;
+    unsigned long long *epochs;
+    unsigned int *tickets;             // [kCounters]: tickets, then the send part's claims (enum Counter)
+    int *mask;
+    unsigned int *failed;
+    unsigned long long *record_tags;   // [R][T]: one per (source rank, token), put sources only
+    unsigned long long *partial_tags;  // [R][T]: one per (expert rank, token)
+    char *records;                     // [R][T][kRecordBytes] stamped words, by source rank (signal region)
+    char *partials;                    // [R][T][H] f32, by expert rank, channels in PartialLayout order (protocol)
+    char *record_stage;                // [T][kRecordBytes], source of puts
+    char *partial_stage;               // [R][T][H] f32, by source rank, source of puts
+    ErrorRecord *err;
+    unsigned long long timeout_ns;
+    int num_tokens;
+    int rank;
+    int phases;
+    int use_nvlink;
+    int enable_shrink;
+    int op;
+    unsigned long long *trace;         // [blocks][warps][kTraceSlots] in EPCOMM_LL_TRACE builds, else null
+};
+// A combine top-k record: per top-k slot two stamped words (protocol: stamped()), the expert id and
+// the weight's bits; sized for kMaxTopk slots.
+constexpr int kRecordBytes = 16 * kMaxTopk;
+// Phases recorded in ErrorRecord.phase; each comment is the phase's name in the host's errors
+// (epcomm.ops.low_latency reads them). Both kernels' send parts start with the release wait.
+enum DispatchPhase : int {
+    kDispatchRelease = 0,   // wait for a peer to release the buffer set
+    kDispatchList = 1,      // wait for a source's token list
+    kDispatchMessage = 2    // wait for a token's message
+};
+enum CombinePhase : int {
+    kPhaseRelease = 0,      // wait for a peer to release the buffer set
+    kPhaseRecord = 1,       // wait for a source's top-k record
+    kPhasePartial = 2,      // wait for an expert rank's partial sum
+    kPhaseSendEnd = 3       // wait for this rank's send part to end
+};
+static_assert(kPhaseRelease == kDispatchRelease, "wait_released records one phase for both kernels");
 
 // ---- small device helpers -------------------------------------------------------------------
 // Pull a line into L2 without waiting for it (a later load then hits L2 instead of HBM).
@@ -175,7 +261,7 @@ __device__ void wait_released(BlockState<kRanks> &s, const Guard &g, const unsig
                 atomicExch(mask + r, 1);
                 s.masked[r] = 1;
             } else {
-                if (!g.failed()) g.timeout(r, 0);
+                if (!g.failed()) g.timeout(r, kPhaseRelease);
                 s.abort = 1;
             }
         }
@@ -238,6 +324,21 @@ __device__ void finish_recv(const BlockState<kRanks> &s, const Guard &ctx, unsig
         else
             nvshmemx_signal_op(reinterpret_cast<uint64_t *>(acks + rank), value, NVSHMEM_SIGNAL_SET, r);
     }
+}
+
+// The receive part of a launch (Params::phases & kRecv): recv(epoch) with this set's receive count,
+// then finish_recv (send_epoch / send_phase as there).
+template <int kRanks, class Params, class Recv>
+__device__ __forceinline__ void recv_part(const Params &p, const BlockState<kRanks> &s, const Guard &ctx,
+                                          const unsigned long long *send_epoch, int send_phase, Recv recv) {
+    if (!(p.phases & kRecv)) return;
+    const unsigned long long epoch = ld_volatile_u64(p.epochs + 1) + 1;
+    trace_stamp(p.trace, kTrRecvStart);
+    recv(epoch);
+    trace_stamp(p.trace, kTrRecvDone);
+    finish_recv(s, ctx, p.tickets + kTicketRecv, p.epochs + 1, epoch, send_epoch, send_phase, p.acks, p.mask, p.heap,
+                p.rank);
+    trace_stamp(p.trace, kTrEnd);
 }
 
 // How warps share (local expert, source) pairs: warp `gw` of `total` takes pairs p0, p0 + step, ...

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import shutil
 import struct
-import tempfile
 
 import pytest
 
@@ -37,14 +36,12 @@ class RoundParams(ctypes.Structure):
 
 
 @pytest.fixture(scope="module")
-def probe():
-    with tempfile.TemporaryDirectory() as tmp:
-        root = f"{tmp}/cuda_src"
-        shutil.copytree(compiler.cuda_src_dir(), root)
-        with open(f"{root}/bf16_probe.cu", "w") as f:
-            f.write(PROBE)
-        with compiler.cuda_src_override(root):
-            yield
+def probe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bf16") / "cuda_src"
+    shutil.copytree(compiler.cuda_src_dir(), root)
+    (root / "bf16_probe.cu").write_text(PROBE)
+    with compiler.cuda_src_override(root):
+        yield
 
 
 def _f32(bits: int) -> float:

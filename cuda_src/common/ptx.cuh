@@ -5,29 +5,22 @@
 
 namespace epcomm {
 
-__device__ __forceinline__ int ld_acquire_sys(const int *p) {
-    int v;
-    asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long *p) {
-    unsigned long long v;
-    asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ int ld_relaxed_sys(const int *p) {
-    int v;
-    asm volatile("ld.relaxed.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ unsigned long long ld_relaxed_sys(const unsigned long long *p) {
-    unsigned long long v;
-    asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
+// Each ordered load in a 32-bit (int) and a 64-bit (unsigned long long) flavour; `sem` is the PTX
+// ordering.
+#define EPCOMM_ORDERED_LOAD(name, sem)                                                         \
+    __device__ __forceinline__ int name(const int *p) {                                        \
+        int v;                                                                                 \
+        asm volatile("ld." sem ".sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");     \
+        return v;                                                                              \
+    }                                                                                          \
+    __device__ __forceinline__ unsigned long long name(const unsigned long long *p) {          \
+        unsigned long long v;                                                                  \
+        asm volatile("ld." sem ".sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");     \
+        return v;                                                                              \
+    }
+EPCOMM_ORDERED_LOAD(ld_acquire_sys, "acquire")
+EPCOMM_ORDERED_LOAD(ld_relaxed_sys, "relaxed")
+#undef EPCOMM_ORDERED_LOAD
 
 __device__ __forceinline__ void st_release_sys(int *p, int v) {
     asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");

@@ -59,8 +59,7 @@ struct WaitContext {
 // WaitContext plus a sticky failure flag in device memory, for kernels whose waits are many and
 // hot: the host-mapped ErrorRecord is written once on failure (what the host raises from), and
 // waits poll the flag instead. Why not poll the record: it is host memory, read over PCIe, and
-// such reads serialise GPU-wide at ~1.1 us each (measured on 2 x H200: 384 warps each checking it
-// once at kernel start took 420 us, the whole fixed cost of an intranode call; bench/NOTES.md). A
+// such reads serialise GPU-wide (~1 us each). A
 // failure makes the Buffer unusable (StatusRecord.check), so the flag needs no clearing; a new
 // Buffer starts zeroed. The flag is per rank: kernels of later calls see it and wind down at once.
 struct Guard {

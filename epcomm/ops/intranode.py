@@ -1,4 +1,4 @@
-"""Normal-mode intranode dispatch / combine on the GPU (cuda_src/intranode.cu; protocol in its header).
+"""Normal-mode intranode dispatch / combine on the GPU (cuda_src/intranode.cu; protocol in cuda_src/README.md).
 
 A fresh dispatch is two launches on the current stream: `notify` (exchange counts, build the
 routing tables) then the data kernel; with num_worst_tokens == 0 the host reads the counts in
@@ -270,8 +270,8 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
         peer_bases=gb.nvl.peer_table.data_ptr(), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
         notify_offset=plan.header_bytes(num_ranks), num_tokens=num_tokens, num_chunks=chunks,
         tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
-        num_local_experts=num_local_experts, rank=gb.rank, op=DISPATCH_OP,
-        trace=_TRACE.zeroed(gb.device_index, 1) if trace else 0)
+        num_local_experts=num_local_experts, notify_ints=plan.notify_ints(num_ranks, num_local_experts),
+        rank=gb.rank, op=DISPATCH_OP, trace=_TRACE.zeroed(gb.device_index, 1) if trace else 0)
     _launch(gb, _kernel(gb, plan.notify_kernel(num_ranks), trace), 1, plan.NOTIFY_THREADS, params)
     rank_prefix = info[:num_ranks * num_ranks].view(num_ranks, num_ranks)
     return rank_prefix, channel_prefix, recv_channel_prefix, send_head, info
