@@ -65,7 +65,7 @@ struct NotifyParams {
     int num_tokens, num_chunks, tokens_per_chunk, num_local_experts;
     int notify_ints;                 // ints one source writes into each rank's notify area
     int rank, op;
-    unsigned long long *trace;       // [blocks, kTraceWarps, kTraceSlots] when built with EPCOMM_INTRANODE_TRACE
+    unsigned long long *trace;       // [blocks, kTraceWarps, kTraceSlots] in EPCOMM_TRACE builds, else null
 };
 
 struct DispatchParams {

@@ -54,7 +54,7 @@ struct DispatchParams {
     int stage_for_puts;                // some destination needs puts: fill the stages
     int enable_shrink;                 // mask a peer that times out instead of failing
     int op;                            // epcomm.runtime.status op id
-    unsigned long long *trace;         // [blocks][warps][kTraceSlots] in EPCOMM_LL_TRACE builds, else null
+    unsigned long long *trace;         // [blocks][warps][kTraceSlots] in EPCOMM_TRACE builds, else null
 };
 
 struct CombineParams {
@@ -86,7 +86,7 @@ struct CombineParams {
     int use_nvlink;
     int enable_shrink;
     int op;
-    unsigned long long *trace;         // [blocks][warps][kTraceSlots] in EPCOMM_LL_TRACE builds, else null
+    unsigned long long *trace;         // [blocks][warps][kTraceSlots] in EPCOMM_TRACE builds, else null
 };
 // A combine top-k record: per top-k slot two stamped words (protocol: stamped()), the expert id and
 // the weight's bits; sized for kMaxTopk slots.

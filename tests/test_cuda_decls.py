@@ -36,6 +36,7 @@ enum Phase : int {
     kPhaseC        // implicit value
 };
 enum Counter { kOne = 3, kTwo, kCount = 8 };
+enum TraceSlot : int { kTrStart = 0, kTrFirstData = 1, kTrWaitNs = 2, kTraceSlots = 3 };
 }
 """
 
@@ -67,6 +68,7 @@ def test_constants_members_and_enums(demo):
     assert demo.enum_comments("Phase")[2] == "implicit value"
     with pytest.raises(ValueError, match="each with a comment"):
         demo.enum_comments("Counter")   # neither 0, 1, 2 nor commented
+    assert demo.enum_names("TraceSlot", "kTr") == ["start", "first_data", "wait_ns"]
     with pytest.raises(ValueError, match="demo.cuh: no struct Nope"):
         demo.struct("Nope")
     with pytest.raises(ValueError, match="no integer constexpr kNope"):
@@ -98,6 +100,13 @@ def test_limits_are_declared_once():
     assert intranode_plan.MAX_TOPK == internode_plan.MAX_TOPK == low_latency_layout.MAX_TOPK == top_k
     assert intranode_plan.THREADS == internode_plan.THREADS == low_latency_layout.THREADS == layout.THREADS == threads
     assert low_latency_layout.RECORD_BYTES == 16 * top_k
+
+
+def test_trace_slot_names_come_from_the_enums():
+    assert intranode_plan.TRACE_SLOTS[:4] == ["start", "idle", "sent", "first_data"]
+    assert len(intranode_plan.TRACE_SLOTS) == cuda_decls.header("intranode_protocol.cuh").constant("kTraceSlots")
+    assert low_latency.TRACE_SLOTS[-4:] == ["aux_a", "aux_b", "aux_c", "count"]
+    assert len(low_latency.TRACE_SLOTS) == cuda_decls.header("low_latency_protocol.cuh").constant("kTraceSlots")
 
 
 def test_phase_names_come_from_the_enums():

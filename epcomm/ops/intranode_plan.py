@@ -3,7 +3,7 @@ constants (read from cuda_src/intranode_protocol.cuh), the layout of the NVL buf
 the SM split and the size hint. Pure Python: no torch, no GPU.
 
 NVL buffer of every rank (same offsets everywhere):
-  header (signals, see intranode.cu `Header`) | dispatch only: notify area | receive rings
+  header (signals, intranode_protocol.cuh `Header`) | dispatch only: notify area | receive rings
 A ring per peer holds `ring_rows` records; a record is one row plus its metadata:
   dispatch: row bytes | scales f32[S] | local top-k i32[K] | weights f32[K] | source index i32
   combine:  row bytes (bf16) | weights f32[K]
@@ -43,8 +43,7 @@ def _align(n: int, to: int) -> int:
 # Profiling builds (EPCOMM_INTRANODE_TRACE=1): per (block, warp) slots of intranode_protocol.cuh's
 # TraceSlot, u64 each; stamps are %globaltimer ns, the *_ns / claims slots are sums.
 TRACE_WARPS = _DECLS.constant("kTraceWarps")
-TRACE_SLOTS = ["start", "idle", "sent", "first_data", "received", "wait_ns", "signal_ns", "claims",
-               "end", "published", "chunks"]
+TRACE_SLOTS = _DECLS.enum_names("TraceSlot", "kTr")
 
 # ---- Params (declared in intranode_protocol.cuh) ---------------------------------------------
 PARAMS = {name: _DECLS.struct(name) for name in ("NotifyParams", "DispatchParams", "CombineParams")}

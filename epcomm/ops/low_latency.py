@@ -63,8 +63,7 @@ def combine_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int,
 # Kernels built with -DEPCOMM_TRACE stamp %globaltimer per (block, warp) at the phase ends named
 # here (cuda_src/low_latency_protocol.cuh, TraceSlot); last_trace() returns the latest launch's.
 # The environment is read once, at import (a read per call costs ~2.5 us); set_tracing switches.
-TRACE_SLOTS = ["start", "released", "send_a", "send_b", "send_c", "send_done", "recv_start", "recv_ready",
-               "recv_done", "end", "aux_a", "aux_b", "aux_c", "count"]
+TRACE_SLOTS = _DECLS.enum_names("TraceSlot", "kTr")
 TRACE_MEANING = {"dispatch": {"send_a": "messages sent", "send_b": "lists sent",
                               "recv_ready": "first pair's lists ready", "aux_a": "first message's stores issued",
                               "aux_b": "first message's release store done", "aux_c": "a list scanned",

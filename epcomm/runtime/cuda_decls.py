@@ -224,12 +224,24 @@ class Header:
                 entries[-1][2] = (entries[-1][2] + " " + comment.strip()).strip()
         return tuple(EnumEntry(*e) for e in entries)
 
+    def enum_names(self, name: str, prefix: str) -> List[str]:
+        """The entries of `enum name` named `prefix` + a capitalised word (kTrFirstData, not
+        kTraceSlots), indexed by value, as snake_case names without the prefix (first_data)."""
+        entries = [e for e in self.enum(name) if re.match(re.escape(prefix) + "[A-Z]", e.name)]
+        if [e.value for e in entries] != list(range(len(entries))):
+            raise self._fail(f"enum {name}: the {prefix}* entries must be 0, 1, 2, ...")
+        return [_snake(e.name[len(prefix):]) for e in entries]
+
     def enum_comments(self, name: str) -> List[str]:
         """The comments of `enum name`, indexed by value (the enum must count 0, 1, 2, ...)."""
         entries = self.enum(name)
         if [e.value for e in entries] != list(range(len(entries))) or not all(e.comment for e in entries):
             raise self._fail(f"enum {name}: entries must be 0, 1, 2, ... each with a comment")
         return [e.comment for e in entries]
+
+
+def _snake(camel: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", camel).lower()
 
 
 def _trailing_stars(words: List[str]) -> int:
