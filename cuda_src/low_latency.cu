@@ -1,6 +1,6 @@
 // Low-latency dispatch / combine over the NVSHMEM symmetric heap: the entry kernels. Protocol
-// (transfers, tags, buffer-set reuse, dispatch, combine, fault tolerance): cuda_src/README.md; host
-// side, buffer layout and the sizes of every region: epcomm/ops/low_latency.py.
+// (transfers, tags, buffer-set reuse, dispatch, combine, masking): cuda_src/README.md. Host side:
+// epcomm/ops/low_latency.py; the buffer layout: epcomm/ops/low_latency_layout.py.
 #include "low_latency_dispatch.cuh"
 #include "low_latency_combine.cuh"
 

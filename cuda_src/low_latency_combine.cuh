@@ -282,11 +282,7 @@ __device__ void combine_send_partials(const CombineParams &p, BlockState<kRanks>
                                     : p.partial_stage + (static_cast<long long>(src) * kMaxTokens + t) * kPartialBytes;
             const int rows = item.rows;
             for (int c0 = tid; c0 < kChunks; c0 += kPerThread * kGroupThreads) {
-                float acc[kPerThread][8];
-#pragma unroll
-                for (int q = 0; q < kPerThread; ++q)
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[q][j] = 0.0f;
+                float acc[kPerThread][8] = {};   // +0, as the oracle starts
                 for (int j0 = 0; j0 < rows; j0 += kBatch) {
                     int4 v[kPerThread][kBatch];
 #pragma unroll
@@ -384,11 +380,7 @@ __device__ void combine_recv(const CombineParams &p, const BlockState<kRanks> &s
         const int count = __popc(ready);
         __syncwarp();   // the lanes' acquires and the rank table before the partial loads
         for (int c0 = warp * 32 + lane; c0 < kChunks; c0 += kPerThread * kThreads) {
-            float acc[kPerThread][8];
-#pragma unroll
-            for (int q = 0; q < kPerThread; ++q)
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[q][j] = 0.0f;
+            float acc[kPerThread][8] = {};   // +0, as the oracle starts
             for (int j0 = 0; j0 < count; j0 += kBatch) {
                 int4 v[kPerThread][kBatch][2];
 #pragma unroll
