@@ -1,34 +1,6 @@
-// Normal-mode internode dispatch / combine: R = M nodes x L ranks, rank s = (n, l) = n * L + l; the
-// "RDMA peer" of s on node m is (m, l). Transfers between nodes are NVSHMEM puts with a signal (the
-// proxy or IBGDA transport across nodes; P2P stores between PEs of one host), or, with allow_mnnvl
-// and the peer's buffer mapped (multi-node NVLink, or "nodes" on one host), stores in place and a
-// release of the signal word; within a node, ranks load / store each other's RDMA buffer through
-// the NVLink mappings (peer_bases; other nodes' entries are null unless allow_mnnvl).
-//
-// Dispatch (notify_kernel, then dispatch_kernel). Each source s cuts its N tokens into G chunks of
-// ceil(N / G) consecutive tokens. RDMA stage: a token goes ONCE to each node it reaches (never once
-// per rank), as a record in the buffer of s's RDMA peer there, slot [n][i], i = its index among the
-// tokens s sends to that node (send_rdma_head); the record carries the row, scales, top-k, the
-// source index and its row on every local rank of that node (send_nvl_head, -1 = not sent). The
-// records of one chunk are contiguous, so each (node, chunk) is one put-with-signal: signal word
-// [n][g] = epoch. NVLink stage: every rank (m, j) waits for the chunks of every source s in the
-// buffer of (m, s % L) and copies the records that have a row for it, to that row: rows come
-// grouped by source rank ascending, token order within (the contract's order).
-//
-// Combine (combine_kernel). (m, j) pushes each received row over NVLink into the buffer of its
-// source's RDMA peer (m, l), slot [j][n][i] (tagged with this call); (m, l) sums, per record, the
-// rows of local ranks 0..L-1 in that order in fp32 and puts the partial sums (fp32 rows, weights)
-// to the source in chunks with one signal each; the source adds bias0 + bias1 and the partials of
-// nodes 0..M-1 in that order (epcomm.reference.oracle.combine with num_local_ranks = L).
-//
-// One-shot: every call fits the data region (each data kernel checks the largest N of all ranks,
-// from notify, against its capacity first: fits_capacity), so no sender waits for buffer space
-// inside a call. Across calls, `epoch` counts this
-// rank's internode kernels (device-resident, bumped by the last block; equal on every rank since
-// calls are collective), signal words are compared with it (never reset), and no kernel writes
-// anything another rank reads before every rank finished the previous internode kernel (`done`
-// words, NVSHMEM signals). CUDA-graph replays need nothing from the host. Every wait on a peer is
-// bounded (Guard); a size / configuration violation is recorded as kDeviceCheckFailed.
+// Normal-mode internode dispatch / combine: the notify kernel and the entry kernels. Protocol (RDMA
+// and NVLink stages, one-shot calls): cuda_src/README.md. Host side: epcomm/ops/internode.py,
+// internode_plan.py.
 #include "internode_dispatch.cuh"
 #include "internode_combine.cuh"
 

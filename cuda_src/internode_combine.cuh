@@ -1,8 +1,8 @@
 // Internode combine, device side: push rows over NVLink to the RDMA peer of their source, reduce
 // per node in fp32, put the partial sums over RDMA, sum the nodes at the source. Protocol:
-// internode.cu.
+// cuda_src/README.md.
 #pragma once
-#include "internode_common.cuh"
+#include "internode_protocol.cuh"
 
 namespace epcomm {
 namespace internode {
@@ -11,8 +11,8 @@ template <int kRanks, int kLocal, int kRowInt4>
 struct Combine {
     static constexpr int kNodes = kRanks / kLocal;
     static constexpr int kRowBytes = kRowInt4 * 16;            // bf16 row
-    static constexpr int kPartialRowBytes = 2 * kRowBytes;     // fp32 row, channels in ll::PartialLayout order
-    using Partial = ll::PartialLayout<kRowInt4>;
+    static constexpr int kPartialRowBytes = 2 * kRowBytes;     // fp32 row, channels in PartialLayout order
+    using Partial = PartialLayout<kRowInt4>;
     using H = Header<kRanks, kNodes>;
 
     // Pushed row: bf16 row | weights f32[kMaxTopk] | u64 tag; partial sum: fp32 row | weights
@@ -25,7 +25,7 @@ struct Combine {
     // bytes land within kMaxTopk of it with probability ~2^-59).
     static constexpr long long kPushTag = kRowBytes + 4LL * kMaxTopk;
     static constexpr long long kPartialTag = kPartialRowBytes + 4LL * kMaxTopk;
-    static __device__ __forceinline__ unsigned long long tag_of(unsigned long long epoch) { return ll::mix_epoch(epoch); }
+    static __device__ __forceinline__ unsigned long long tag_of(unsigned long long epoch) { return mix_epoch(epoch); }
     // K of the writer of a tag from this call, or -1 (not written by this call).
     static __device__ __forceinline__ int tag_topk(unsigned long long tag, unsigned long long epoch) {
         const unsigned long long k = tag - tag_of(epoch);
@@ -45,9 +45,8 @@ struct Combine {
             if (s < 0 || s >= kRanks || i < 0 || i >= cap) continue;   // never past the slots (fits_capacity)
             char *slot = peers[node * kLocal + s % kLocal] + p.push_offset +
                          ((long long)(local * kNodes + s / kLocal) * cap + i) * p.push_bytes;
-            warp_copy_16B<true>(reinterpret_cast<int4 *>(slot),
-                                reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + (long long)r * kRowBytes),
-                                kRowInt4, lane);
+            const int4 *row = reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + (long long)r * kRowBytes);
+            warp_copy<4>(reinterpret_cast<int4 *>(slot), kRowInt4, lane, [&](int u) { return ld_nc_v4(row + u); });
             if (lane < k_top)
                 reinterpret_cast<float *>(slot + kRowBytes)[lane] =
                     p.topk_weights != nullptr ? __ldg(p.topk_weights + (long long)r * k_top + lane) : 0.f;
@@ -104,14 +103,14 @@ struct Combine {
                     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                     for (int j = 0; j < kLocal; ++j)
-                        if (present >> j & 1u) add_bf16x8(acc, ll::ld_cg_v4(slots[j] + 16 * u));
+                        if (present >> j & 1u) add_bf16x8(acc, ld_cg_v4(slots[j] + 16 * u));
                     *reinterpret_cast<float4 *>(Partial::lo(dst, u)) = make_float4(acc[0], acc[1], acc[2], acc[3]);
                     *reinterpret_cast<float4 *>(Partial::hi(dst, u)) = make_float4(acc[4], acc[5], acc[6], acc[7]);
                 }
                 if (lane < k_top) {
                     float w = 0.f;
                     for (int j = 0; j < kLocal; ++j)
-                        if (present >> j & 1u) w += ll::ld_cg(reinterpret_cast<const float *>(slots[j] + kRowBytes) + lane);
+                        if (present >> j & 1u) w += ld_cg(reinterpret_cast<const float *>(slots[j] + kRowBytes) + lane);
                     reinterpret_cast<float *>(dst + kPartialRowBytes)[lane] = w;
                 }
                 if (lane == 0) *reinterpret_cast<unsigned long long *>(dst + kPartialTag) = tag_of(epoch) + k_top;
@@ -157,7 +156,7 @@ struct Combine {
                     const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
                     if (i < 0 || i >= cap) continue;
                     const char *partial = base + p.partial_recv_offset + (m * cap + i) * pb;
-                    const int4 lo = ll::ld_cg_v4(Partial::lo(partial, u)), hi = ll::ld_cg_v4(Partial::hi(partial, u));
+                    const int4 lo = ld_cg_v4(Partial::lo(partial, u)), hi = ld_cg_v4(Partial::hi(partial, u));
                     const int4 halves[2] = {lo, hi};
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
@@ -167,18 +166,13 @@ struct Combine {
                         acc[4 * h + 3] += __int_as_float(halves[h].w);
                     }
                 }
-                int4 out;
-                out.x = static_cast<int>(ll::bf16_bits(acc[0]) | ll::bf16_bits(acc[1]) << 16);
-                out.y = static_cast<int>(ll::bf16_bits(acc[2]) | ll::bf16_bits(acc[3]) << 16);
-                out.z = static_cast<int>(ll::bf16_bits(acc[4]) | ll::bf16_bits(acc[5]) << 16);
-                out.w = static_cast<int>(ll::bf16_bits(acc[6]) | ll::bf16_bits(acc[7]) << 16);
-                static_cast<int4 *>(p.combined_x)[(long long)t * kRowInt4 + u] = out;
+                static_cast<int4 *>(p.combined_x)[(long long)t * kRowInt4 + u] = pack_bf16x8(acc);
             }
             if (lane < k_top) {
                 float w = 0.f;
                 for (int m = 0; m < kNodes; ++m) {
                     const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
-                    if (i >= 0 && i < cap) w += ll::ld_cg(reinterpret_cast<const float *>(base + p.partial_recv_offset + (m * cap + i) * pb + kPartialRowBytes) + lane);
+                    if (i >= 0 && i < cap) w += ld_cg(reinterpret_cast<const float *>(base + p.partial_recv_offset + (m * cap + i) * pb + kPartialRowBytes) + lane);
                 }
                 p.combined_weights[(long long)t * k_top + lane] = w;
             }

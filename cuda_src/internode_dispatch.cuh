@@ -1,7 +1,7 @@
 // Internode dispatch, device side: the RDMA stage (records to the RDMA peer of each destination
-// node) and the NVLink stage (local ranks pull their rows), padding. Protocol: internode.cu.
+// node) and the NVLink stage (local ranks pull their rows), padding. Protocol: cuda_src/README.md.
 #pragma once
-#include "internode_common.cuh"
+#include "internode_protocol.cuh"
 
 namespace epcomm {
 namespace internode {
@@ -16,9 +16,8 @@ struct Dispatch {
     static __device__ __forceinline__ void write_record(const DispatchParams &p, char *record, int t, int m,
                                                         const RecordFields &f) {
         const int lane = lane_id(), k_top = p.num_topk;
-        warp_copy_16B<true>(reinterpret_cast<int4 *>(record),
-                            reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + (long long)t * kRowBytes),
-                            kRowInt4, lane);
+        const int4 *row = reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + (long long)t * kRowBytes);
+        warp_copy<4>(reinterpret_cast<int4 *>(record), kRowInt4, lane, [&](int u) { return ld_nc_v4(row + u); });
         for (int s = lane; s < kScales; s += 32)
             reinterpret_cast<float *>(record + f.scales)[s] =
                 __ldg(p.x_scales + t * p.scale_stride_token + s * p.scale_stride_group);
@@ -97,26 +96,26 @@ struct Dispatch {
             if (!__shfl_sync(0xffffffffu, ok, 0)) return;
             for (int i = lo; i < hi; ++i) {
                 const char *record = holder + p.recv_offset + (src_node * cap + i) * rec;
-                const int row = ll::ld_cg(reinterpret_cast<const int *>(record + f.pos) + local);
+                const int row = ld_cg(reinterpret_cast<const int *>(record + f.pos) + local);
                 if (row < 0) continue;
                 if (row >= p.num_out_rows) {   // only num_worst_tokens can make this happen
                     if (lane == 0) guard.violation(s, kPhaseWorstTokens);
                     continue;
                 }
-                ll::warp_copy(static_cast<int4 *>(p.recv_x) + (long long)row * kRowInt4, kRowInt4, lane,
-                              [&](int u) { return ll::ld_cg_v4(record + 16 * u); });
+                warp_copy(static_cast<int4 *>(p.recv_x) + (long long)row * kRowInt4, kRowInt4, lane,
+                              [&](int u) { return ld_cg_v4(record + 16 * u); });
                 for (int q = lane; q < kScales; q += 32)
-                    p.recv_x_scales[(long long)row * kScales + q] = ll::ld_cg(reinterpret_cast<const float *>(record + f.scales) + q);
+                    p.recv_x_scales[(long long)row * kScales + q] = ld_cg(reinterpret_cast<const float *>(record + f.scales) + q);
                 if (!kFresh) continue;
                 if (lane < k_top) {
-                    const int e = ll::ld_cg(reinterpret_cast<const int *>(record + f.topk) + lane);
+                    const int e = ld_cg(reinterpret_cast<const int *>(record + f.topk) + lane);
                     const bool mine = e >= first_le && e < first_le + p.num_local_experts;
                     static_cast<IdxT *>(p.recv_topk_idx)[(long long)row * k_top + lane] = static_cast<IdxT>(mine ? e - first_le : -1);
                     p.recv_topk_weights[(long long)row * k_top + lane] =
-                        mine ? ll::ld_cg(reinterpret_cast<const float *>(record + f.weights) + lane) : 0.f;
+                        mine ? ld_cg(reinterpret_cast<const float *>(record + f.weights) + lane) : 0.f;
                 }
                 if (lane < 3) {
-                    const int meta[3] = {s, lane == 1 ? ll::ld_cg(reinterpret_cast<const int *>(record + f.src)) : 0, i};
+                    const int meta[3] = {s, lane == 1 ? ld_cg(reinterpret_cast<const int *>(record + f.src)) : 0, i};
                     p.recv_src_meta[(long long)row * 3 + lane] = meta[lane];
                 }
             }

@@ -1,35 +1,8 @@
-// Normal-mode intranode dispatch / combine: every rank stores straight into its peers' NVL buffers
-// (NVLink loads/stores through the peer mappings of the symmetric heap; no NVSHMEM device code).
-//
-// Routing unit: each source rank cuts its N tokens into G chunks of T = ceil(N / G) consecutive
-// tokens (G is the same on every rank; empty chunks are allowed). Pair (s -> j) carries the rows
-// of s's tokens that go to j, in token order: the pair's "stream"; a row's stream index k is
-// send_head[t][j]. channel_prefix[j][g] (sender side) == recv_channel_prefix[s][g] (receiver side) =
-// stream index of chunk g's first row. Row k of s lands at position rank_prefix[s-1][j] + k of j's
-// output, so rows come grouped by source and in token order.
-//
-// Receive rings: j's NVL buffer holds, per peer s, a ring of `ring_rows` records; stream row k of
-// pair (s -> j) goes to ring slot k % ring_rows. One-shot when the whole stream fits; otherwise
-// the sender waits, before writing chunk g, until the receiver consumed every chunk whose rows
-// the write overwrites (consumed flags, one per chunk). Combine uses the same rings backwards
-// (j pushes stream k of pair (s -> j) into s's ring of peer j).
-//
-// Signals (all in the signalled rank's own header, never reset by the writer):
-//   ready[s][g]    u32: kWarps once the block that sent chunk g is done with it (chunk_done); the
-//                  receiver that consumes the chunk sets it back to 0 before it publishes consumed.
-//   consumed[j][g] u64: epoch at which j consumed chunk g of this rank (ring space is free).
-//   done[j]        u64: epoch of the last kernel rank j finished: nobody writes into j's buffer
-//                  before j finished the previous kernel (so no reset ever races a write).
-//   notify_flag[s] u64: epoch at which s's counts arrived.
-// Work claims (rank-local counters, set back to 0 by the last block to finish a kernel): sending
-// blocks take chunks in increasing order (Header::kSendClaim, send_chunks), receivers take pieces
-// of landed chunks in chunk order (Header::kClaim).
-// `epoch` counts this rank's intranode kernels (device-resident; bumped by the last block to
-// finish), so CUDA-graph replays and repeated calls need nothing from the host.
-// Every wait on a peer is bounded (Guard: WaitContext's deadline and ErrorRecord, see
-// intranode_common.cuh); other failures are recorded as kDeviceCheckFailed (Guard::violation).
+// Normal-mode intranode dispatch / combine: the notify kernel and the entry kernels. Every rank
+// stores straight into its peers' NVL buffers; protocol (routing, rings, signals, claims):
+// cuda_src/README.md. Host side: epcomm/ops/intranode.py, intranode_plan.py.
 #pragma once
-#include "intranode_common.cuh"
+#include "intranode_protocol.cuh"
 #include "intranode_dispatch.cuh"
 #include "intranode_combine.cuh"
 
@@ -43,13 +16,13 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
     __shared__ int failed;
     const int warp = warp_id(), lane = lane_id(), num_warps = kNotifyThreads / 32;
     if (threadIdx.x == 0) failed = 0;
-    const unsigned long long epoch = kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
-    const Guard ctx = Guard::make(peers[p.rank], p.err, p.timeout_ns, p.op, p.rank);
+    const unsigned long long epoch = begin_epoch<kRanks>(peers, p.peer_bases, p.rank, Header<kRanks>::kEpoch);
+    const Guard ctx = make_guard(peers[p.rank], p.err, p.timeout_ns, p.op, p.rank);
     trace_set(p.trace, kTrStart, trace_now());
     const int n = p.num_tokens, num_chunks = p.num_chunks, tpc = p.tokens_per_chunk, stride = num_chunks + 1;
     const int num_le = p.num_local_experts;
     // The stride does not depend on G, so a rank with another G is still read correctly (and caught).
-    const int notify_ints = ((4 + kRanks + num_le + kMaxChunks + 1) + 3) / 4 * 4;
+    const int notify_ints = p.notify_ints;
 
     // Chunk counts per destination, then an inclusive scan per destination.
     for (int g = warp; g < num_chunks; g += num_warps) {

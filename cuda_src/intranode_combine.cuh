@@ -1,17 +1,9 @@
-// Intranode combine, device side: pusher and reducer warps (protocol: intranode.cu).
+// Intranode combine, device side: pusher and reducer warps (protocol: cuda_src/README.md).
 #pragma once
-#include "common/bf16.cuh"
-#include "intranode_common.cuh"
+#include "intranode_protocol.cuh"
 
 namespace epcomm {
 namespace intranode {
-
-// ---- combine ----------------------------------------------------------------------------------
-__device__ __forceinline__ unsigned int f32_to_bf16_rne(float f) {
-    const unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;   // NaN
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
 
 template <int kRanks, int kRowInt4>
 struct Combine {
@@ -107,14 +99,10 @@ struct Combine {
 
     // One claim: wait for every peer's chunk g, then reduce items part, part + kParts, ... of the
     // chunk's (token, segment) items. False on failure (nothing reduced).
-    // An item waits one memory latency (its sources' loads, all in flight together), and a claim is
-    // ~16 items, so every other latency shows: the claim's send_head loads are issued before its
-    // ready wait; bias rows load with the ranks' rows as two more sources (kBias: loaded per 16-byte
-    // step they were two dependent latencies per step, ~14 per item); up to 4 ranks, the top-k
-    // weights load with the first segment's rows (after the row stores they were two dependent
-    // latencies on each such item, which sit in 2 of every 8 claims). Run 3 fit (bench/NOTES.md):
-    // reducing ran at ~16.5 GB/s of output per block, the limit of the combine at 24 SMs. (Taking the
-    // next claim ahead does not fit: at 128 registers its result spills, the spill waits for the atomic.)
+    // An item should cost one memory latency (all its sources' loads in flight together), so every
+    // other load is hoisted off that path: the claim's send_head loads before its ready wait, bias
+    // rows as two more sources beside the ranks' rows (kBias), and up to 4 ranks the top-k weights
+    // with the first segment's rows. (Taking the next claim ahead spills at 128 registers.)
     template <bool kBias>
     static __device__ __forceinline__ bool reduce_claim(const CombineParams &p, char *local, int self_base, int g,
                                                         int part, const Guard &ctx) {
@@ -147,7 +135,7 @@ struct Combine {
         if (kTrace) {
             const unsigned long long now = trace_now();
             trace_add(p.trace, kTrWaitNs, now - wait_start);
-            if (lane == 0 && p.trace != nullptr && trace_row(p.trace)[kTrFirstData] == 0) trace_row(p.trace)[kTrFirstData] = now;
+            trace_first(p.trace, kTrFirstData, now);
         }
 
         for (int item = part; item < (t1 - t0) * S::kSegs; item += kParts) {
@@ -208,12 +196,7 @@ struct Combine {
 #pragma unroll
                 for (int i = 0; i < kSources; ++i)
                     if (present(i)) add_bf16x8(acc, v[i][u]);
-                int4 out;
-                out.x = (int)(f32_to_bf16_rne(acc[0]) | (f32_to_bf16_rne(acc[1]) << 16));
-                out.y = (int)(f32_to_bf16_rne(acc[2]) | (f32_to_bf16_rne(acc[3]) << 16));
-                out.z = (int)(f32_to_bf16_rne(acc[4]) | (f32_to_bf16_rne(acc[5]) << 16));
-                out.w = (int)(f32_to_bf16_rne(acc[6]) | (f32_to_bf16_rne(acc[7]) << 16));
-                static_cast<int4 *>(p.combined_x)[(long long)t * kRowInt4 + idx] = out;
+                static_cast<int4 *>(p.combined_x)[(long long)t * kRowInt4 + idx] = pack_bf16x8(acc);
             }
             if (weights) {
                 float w = 0.f;

@@ -1,6 +1,6 @@
-// Intranode dispatch, device side: sender and receiver warps, padding (protocol: intranode.cu).
+// Intranode dispatch, device side: sender and receiver warps, padding (protocol: cuda_src/README.md).
 #pragma once
-#include "intranode_common.cuh"
+#include "intranode_protocol.cuh"
 
 namespace epcomm {
 namespace intranode {
@@ -177,7 +177,7 @@ struct Dispatch {
             if (kTrace) {
                 const unsigned long long now = trace_now();
                 trace_add(p.trace, kTrWaitNs, now - wait_start);
-                if (lane == 0 && p.trace != nullptr && trace_row(p.trace)[kTrFirstData] == 0) trace_row(p.trace)[kTrFirstData] = now;
+                trace_first(p.trace, kTrFirstData, now);
             }
 
             if (part == 0 && lane == 0 && end - begin > p.ring_rows)

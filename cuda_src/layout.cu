@@ -1,22 +1,9 @@
-// Dispatch layout: from topk_idx [N, K], count tokens per rank, per node ("RDMA rank") and per
-// expert, and fill is_token_in_rank [N, R]. Host side: epcomm/ops/layout.py.
-//
-// One pass, one thread per token (grid-stride over tokens):
-//   * the token's K expert ids are read with vector loads; ids outside [0, E) (e.g. -1) are "none";
-//   * expert counts go to a shared-memory histogram (one shared atomic per (token, k));
-//   * ranks (and nodes) the token reaches are a bit mask in registers, so a token counts once per
-//     rank and once per node however many of its experts live there; per-rank counts are summed
-//     per warp with ballots; the token's row of is_token_in_rank is expanded from the mask and
-//     written directly with vector stores;
-//   * at the end each block adds its histograms to the outputs. The outputs come uninitialised
-//     (the host allocates them and launches, nothing else: no memset on the host's critical
-//     path), so a one-block grid stores its counts; a larger grid is launched cooperatively:
-//     block 0 zeroes the counts while every block counts its tokens, the grid syncs, then every
-//     block atomicAdds its histograms.
-// Specialised on K, E, R, L (ranks per node), the index type and the load width: no whitelists.
+// Dispatch layout: tokens per rank, node and expert and is_token_in_rank from topk_idx, one thread
+// per token (method: cuda_src/README.md). Host side: epcomm/ops/layout.py.
 #include <cooperative_groups.h>
 
 #include "common/arch.cuh"
+#include "common/limits.cuh"
 
 namespace epcomm {
 
@@ -28,7 +15,6 @@ struct LayoutParams {
     bool *is_token_in_rank;          // [N, R]
     long long num_tokens;            // N
 };
-static_assert(sizeof(LayoutParams) == 48, "mirrored by epcomm.ops.layout.LayoutParams");
 
 namespace layout {
 

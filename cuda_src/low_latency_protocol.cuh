@@ -1,12 +1,15 @@
-// Building blocks of the low-latency kernels (cuda_src/low_latency.cu, where the protocol is
-// described): ordered / L2-only loads, warp copies, bf16 and e4m3 conversions, bounded waits on
-// tags, the per-block peer state, buffer-set release (acks) and the end-of-launch ticket.
+// Shared pieces of the low-latency kernels (protocol: cuda_src/README.md): the Params structs (read
+// by the host through epcomm.runtime.cuda_decls), phases, e4m3 conversion, bounded waits on tags,
+// stamped words, the per-block peer state, buffer-set release (acks) and the end-of-launch tickets.
 #pragma once
 #include "common/nvshmem.cuh"
 #include "common/arch.cuh"
 #include "common/bf16.cuh"
+#include "common/epoch.cuh"
+#include "common/limits.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
+#include "common/trace.cuh"
 
 namespace epcomm {
 namespace ll {
@@ -18,70 +21,101 @@ constexpr float kFp8Max = 448.0f;
 constexpr float kFp8MaxInv = static_cast<float>(1.0 / 448.0);
 constexpr float kFp8AmaxFloor = 1e-4f;
 
-// Channel order of an fp32 row of partial sums (the low-latency and internode combines; private to
-// each kernel family). A thread sums a chunk of 8 channels (one 16-byte bf16 load per row) and
-// writes its 32 bytes as two 16-byte halves: channels 8c..8c+3 go to unit c, 8c+4..8c+7 to unit
-// kChunks + c, so each of a warp's two store instructions covers 512 contiguous bytes (whole
-// sectors). In natural order each instruction wrote half of every 32-byte sector, and a store to a
-// peer crosses NVLink sector by sector (low-latency combine 38.3 -> 31.9 us on 2 x H200).
-template <int kChunks> struct PartialLayout {
-    static constexpr long long kBytes = 32ll * kChunks;
-    __device__ static int4 *lo(char *row, int c) { return reinterpret_cast<int4 *>(row) + c; }
-    __device__ static int4 *hi(char *row, int c) { return reinterpret_cast<int4 *>(row) + kChunks + c; }
-    __device__ static const int4 *lo(const char *row, int c) { return reinterpret_cast<const int4 *>(row) + c; }
-    __device__ static const int4 *hi(const char *row, int c) { return reinterpret_cast<const int4 *>(row) + kChunks + c; }
+// ---- Params (mirrored by epcomm/ops/low_latency.py) ------------------------------------------
+struct DispatchParams {
+    const void *x;                     // [N, H] bf16
+    const void *topk_idx;              // [N, K] TopkT
+    void *recv_x;                      // [E_l, R*T, H] e4m3 or bf16
+    void *recv_scales;                 // [E_l, S, R*T] f32 or [E_l, S/4, R*T] i32 (UE8M0); null for bf16
+    int *recv_src_info;                // [E_l, R*T]
+    long long *recv_layout_range;      // [E_l, R]
+    int *recv_count;                   // [E_l]
+    int *cumulative_recv_stats;        // [E_l] or null
+    long long *wait_recv_cost_stats;   // [R] or null
+    char *heap;                        // this rank's base of the symmetric buffer
+    const long long *peer_bases;       // [R] NVLink mapping of each rank's buffer, 0 = none
+    unsigned long long *acks;          // [R] this set's acknowledgements (README: buffer-set reuse)
+    unsigned long long *epochs;        // [2] calls this rank sent / received on this set
+    unsigned int *tickets;             // [kCounters]: send / receive tickets of this launch (enum Counter)
+    int *mask;                         // [R] nonzero = masked rank
+    unsigned int *failed;              // nonzero once a wait of this rank failed (Guard's sticky flag)
+    unsigned long long *token_tags;    // [R][T]: one per (source rank, token)
+    unsigned long long *list_tags;     // [E_l][R]
+    char *lists;                       // [E_l][R][16 + 4T]
+    char *messages;                    // [R][T][message bytes]
+    char *message_stage;               // [T][message bytes], source of puts
+    char *list_stage;                  // [E][16 + 4T], source of puts
+    ErrorRecord *err;
+    unsigned long long timeout_ns;
+    int num_tokens;
+    int rank;
+    int phases;
+    int use_nvlink;                    // 0: every other rank through NVSHMEM puts
+    int stage_for_puts;                // some destination needs puts: fill the stages
+    int enable_shrink;                 // mask a peer that times out instead of failing
+    int op;                            // epcomm.runtime.status op id
+    unsigned long long *trace;         // [blocks][warps][kTraceSlots] in EPCOMM_TRACE builds, else null
 };
 
+struct CombineParams {
+    const void *x;                     // [E_l, R*T, H] bf16
+    const int *src_info;               // [E_l, R*T]
+    const long long *layout_range;     // [E_l, R]
+    const void *topk_idx;              // [N, K] TopkT
+    const float *topk_weights;         // [N, K]
+    void *out;                         // [N, H] bf16
+    long long *wait_recv_cost_stats;   // [R] or null
+    char *heap;
+    const long long *peer_bases;
+    unsigned long long *acks;
+    unsigned long long *epochs;
+    unsigned int *tickets;             // [kCounters]: tickets, then the send part's claims (enum Counter)
+    int *mask;
+    unsigned int *failed;
+    unsigned long long *record_tags;   // [R][T]: one per (source rank, token), put sources only
+    unsigned long long *partial_tags;  // [R][T]: one per (expert rank, token)
+    char *records;                     // [R][T][kRecordBytes] stamped words, by source rank (signal region)
+    char *partials;                    // [R][T][H] f32, by expert rank, channels in PartialLayout order (protocol)
+    char *record_stage;                // [T][kRecordBytes], source of puts
+    char *partial_stage;               // [R][T][H] f32, by source rank, source of puts
+    ErrorRecord *err;
+    unsigned long long timeout_ns;
+    int num_tokens;
+    int rank;
+    int phases;
+    int use_nvlink;
+    int enable_shrink;
+    int op;
+    unsigned long long *trace;         // [blocks][warps][kTraceSlots] in EPCOMM_TRACE builds, else null
+};
+// A combine top-k record: per top-k slot two stamped words (protocol: stamped()), the expert id and
+// the weight's bits; sized for kMaxTopk slots.
+constexpr int kRecordBytes = 16 * kMaxTopk;
+// Phases recorded in ErrorRecord.phase; each comment is the phase's name in the host's errors
+// (epcomm.ops.low_latency reads them). Both kernels' send parts start with the release wait.
+enum DispatchPhase : int {
+    kDispatchRelease = 0,   // wait for a peer to release the buffer set
+    kDispatchList = 1,      // wait for a source's token list
+    kDispatchMessage = 2    // wait for a token's message
+};
+enum CombinePhase : int {
+    kPhaseRelease = 0,      // wait for a peer to release the buffer set
+    kPhaseRecord = 1,       // wait for a source's top-k record
+    kPhasePartial = 2,      // wait for an expert rank's partial sum
+    kPhaseSendEnd = 3       // wait for this rank's send part to end
+};
+static_assert(kPhaseRelease == kDispatchRelease, "wait_released records one phase for both kernels");
+
 // ---- small device helpers -------------------------------------------------------------------
-__device__ __forceinline__ int4 ld_cg_v4(const void *p) {   // L2 only: peers write this memory
-    int4 v;
-    asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ int ld_cg(const int *p) {
-    int v;
-    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ float ld_cg(const float *p) { return __int_as_float(ld_cg(reinterpret_cast<const int *>(p))); }
-__device__ __forceinline__ unsigned long long ld_volatile(const unsigned long long *p) {
-    return *reinterpret_cast<const volatile unsigned long long *>(p);
-}
 // Pull a line into L2 without waiting for it (a later load then hits L2 instead of HBM).
 __device__ __forceinline__ void prefetch_l2(const void *p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
-// Warp copy of n16 16-byte units: each lane first loads kBatch units (predicated, so no serial
-// tail), then stores them, keeping kBatch loads in flight. `load(i)` reads unit i of the source.
-template <int kBatch = 8, class Load>
-__device__ __forceinline__ void warp_copy(int4 *dst, int n16, int lane, Load load) {
-    for (int base = 0; base < n16; base += kBatch * 32) {
-        int4 v[kBatch];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-            const int i = base + u * 32 + lane;
-            if (i < n16) v[u] = load(i);
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-            const int i = base + u * 32 + lane;
-            if (i < n16) st_cg_v4(dst + i, v[u]);
-        }
-    }
 }
 
 template <class T> __device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
-}
-
-// fp32 -> bf16, round to nearest even (NaN stays NaN), as torch's .to(torch.bfloat16).
-__device__ __forceinline__ uint32_t bf16_bits(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) & 0x8000u) | 0x7fc0u;
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
 // fp32 -> e4m3fn byte, round to nearest even, saturating to +-448 (NaN stays NaN).
@@ -110,15 +144,9 @@ __device__ __forceinline__ char *on_peer(char *heap, const long long *bases, int
     return dst == rank ? const_cast<char *>(l) : reinterpret_cast<char *>(bases[dst]) + (l - heap);
 }
 
-// ---- trace (profiling builds only: -DEPCOMM_LL_TRACE, see epcomm/ops/low_latency.py) ----------
-// Lane 0 of every warp writes %globaltimer stamps into its row [block][warp][kTraceSlots] of
-// Params::trace; the slot meanings are TRACE_SLOTS in epcomm/ops/low_latency.py. Compiled out
-// otherwise (and a null trace pointer writes nothing).
-#ifdef EPCOMM_LL_TRACE
-constexpr bool kTrace = true;
-#else
-constexpr bool kTrace = false;
-#endif
+// ---- trace (profiling builds: common/trace.cuh) -------------------------------------------------
+// Rows [block][warp][kTraceSlots] of Params::trace; the slot meanings are TRACE_SLOTS in
+// epcomm/ops/low_latency.py.
 constexpr int kTraceSlots = 14;
 // Dispatch: start, released, messages sent, lists sent, send part done, receive start, first
 // pair's lists ready, receive copies done, end; then the first message's stores issued (before its
@@ -133,24 +161,18 @@ enum TraceSlot : int {
     kTrRecvStart = 6, kTrRecvReady = 7, kTrRecvDone = 8, kTrEnd = 9, kTrAuxA = 10, kTrAuxB = 11, kTrAuxC = 12,
     kTrCount = 13
 };
-__device__ __forceinline__ unsigned long long *trace_slot(unsigned long long *trace, int slot) {
-    return trace + (static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + warp_id()) * kTraceSlots + slot;
+__device__ __forceinline__ TraceRow trace_row(unsigned long long *trace) {
+    return TraceRow(trace, blockDim.x / 32, kTraceSlots);
 }
 __device__ __forceinline__ void trace_stamp(unsigned long long *trace, int slot) {
-    if constexpr (kTrace) {
-        if (trace != nullptr && lane_id() == 0) *trace_slot(trace, slot) = globaltimer_ns();
-    }
+    if constexpr (kTrace) trace_row(trace).set(slot, globaltimer_ns());
 }
 // The first stamp of a slot this warp reaches more than once.
 __device__ __forceinline__ void trace_first(unsigned long long *trace, int slot) {
-    if constexpr (kTrace) {
-        if (trace != nullptr && lane_id() == 0 && *trace_slot(trace, slot) == 0) *trace_slot(trace, slot) = globaltimer_ns();
-    }
+    if constexpr (kTrace) trace_row(trace).first(slot, globaltimer_ns());
 }
 __device__ __forceinline__ void trace_count(unsigned long long *trace, unsigned long long n) {
-    if constexpr (kTrace) {
-        if (trace != nullptr && lane_id() == 0) *trace_slot(trace, kTrCount) = n;
-    }
+    if constexpr (kTrace) trace_row(trace).set(kTrCount, n);
 }
 
 enum Wait { kReady, kMasked, kFailed };
@@ -160,21 +182,24 @@ enum Wait { kReady, kMasked, kFailed };
 // host-mapped record is only written).
 template <class Ready>
 __device__ __forceinline__ Wait wait_until(const Guard &g, Ready ready, int *mask, bool shrink, int peer, int phase) {
-    for (unsigned int spins = 1;; ++spins) {
-        if (ready()) return kReady;
-        if ((spins & 1023u) == 0) {
-            if (*reinterpret_cast<volatile int *>(mask + peer) != 0) return kMasked;
-            if (globaltimer_ns() > g.ctx.deadline_ns) {
-                if (shrink) {
-                    atomicExch(mask + peer, 1);
-                    return kMasked;
-                }
+    Wait result = kReady;
+    spin_until(ready, [&] {
+        if (*reinterpret_cast<volatile int *>(mask + peer) != 0) {
+            result = kMasked;
+        } else if (g.past_deadline()) {
+            if (shrink) {
+                atomicExch(mask + peer, 1);
+                result = kMasked;
+            } else {
                 g.timeout(peer, phase);
-                return kFailed;
+                result = kFailed;
             }
-            if (g.failed()) return kFailed;
+        } else if (g.failed()) {
+            result = kFailed;
         }
-    }
+        return result != kReady;
+    });
+    return result;
 }
 
 // Bounded spin on a 64-bit tag. Polls are relaxed loads: an acquire load per poll compiles to a
@@ -184,17 +209,6 @@ __device__ __forceinline__ Wait wait_until(const Guard &g, Ready ready, int *mas
 __device__ __forceinline__ Wait wait_tag(const Guard &g, const unsigned long long *tag, unsigned long long want,
                                          int *mask, bool shrink, int peer, int phase) {
     return wait_until(g, [&] { return ld_relaxed_sys(tag) == want && ld_acquire_sys(tag) == want; }, mask, shrink, peer, phase);
-}
-
-// A 64-bit mix of a call's epoch (splitmix64's finaliser). Words that carry their call (combine
-// records; internode tags) hold it instead of the epoch itself, so bytes that some other phase left
-// in the same memory (small integers, FP8 payload with many zero bytes) match a call's stamp with
-// probability ~2^-32 per 32-bit stamp, not whenever they happen to equal a small count.
-__device__ __forceinline__ unsigned long long mix_epoch(unsigned long long epoch) {
-    unsigned long long z = epoch + 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
 }
 
 // A stamped word: (stamp << 32) | a 32-bit value, stored and read as one 64-bit access, so a reader
@@ -223,17 +237,6 @@ template <int kRanks> struct BlockState {
 // receive ticket.
 enum Counter { kTicketSend, kTicketRecv, kClaimRecords, kClaimItems, kCounters = 8 };
 
-// A warp's claim of the next unit of this launch's work: lane 0's atomicAdd on the counter. Work
-// taken in atomicAdd order goes to whichever warps are running, so no warp ever waits for work
-// that only a block not (yet) resident would do: a launch may get fewer SMs than blocks while
-// another kernel holds some. One unit per warp spreads the work over every running SM (claims of
-// a whole block's warps put the 128 records of N=128 on 8 SMs).
-__device__ __forceinline__ int warp_claim(unsigned int *counter) {
-    int v = 0;
-    if (lane_id() == 0) v = static_cast<int>(atomicAdd(counter, 1u));
-    return __shfl_sync(0xffffffffu, v, 0);
-}
-
 template <int kRanks>
 __device__ void load_block_state(BlockState<kRanks> &s, const long long *peer_bases, const int *mask, int use_nvlink) {
     for (int r = threadIdx.x; r < kRanks; r += blockDim.x) {
@@ -251,17 +254,15 @@ __device__ void wait_released(BlockState<kRanks> &s, const Guard &g, const unsig
     for (int r = threadIdx.x; r < kRanks; r += blockDim.x) {
         if (s.masked[r]) continue;
         const unsigned long long want = send_epoch - 1;   // relaxed polls, then one acquire (wait_tag)
-        unsigned int spins = 0;
-        while (!(ld_relaxed_sys(acks + r) >= want && ld_acquire_sys(acks + r) >= want)) {
-            if ((++spins & 1023u) == 0 && (globaltimer_ns() > g.ctx.deadline_ns || g.failed())) {
-                if (shrink && !g.failed()) {
-                    atomicExch(mask + r, 1);
-                    s.masked[r] = 1;
-                } else {
-                    if (!g.failed()) g.timeout(r, 0);
-                    s.abort = 1;
-                }
-                break;
+        const bool released = spin_until([&] { return ld_relaxed_sys(acks + r) >= want && ld_acquire_sys(acks + r) >= want; },
+                                         [&] { return g.past_deadline() || g.failed(); });
+        if (!released) {
+            if (shrink && !g.failed()) {
+                atomicExch(mask + r, 1);
+                s.masked[r] = 1;
+            } else {
+                if (!g.failed()) g.timeout(r, kPhaseRelease);
+                s.abort = 1;
             }
         }
     }
@@ -310,7 +311,7 @@ __device__ void finish_recv(const BlockState<kRanks> &s, const Guard &ctx, unsig
     if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
     *ticket = 0;       // read by the next launch (a kernel boundary orders them)
     *epoch = value;
-    if (send_epoch != nullptr && !ctx.wait(rank, send_phase, [&] { return ld_volatile(send_epoch) >= value; })) return;
+    if (send_epoch != nullptr && !ctx.wait(rank, send_phase, [&] { return ld_volatile_u64(send_epoch) >= value; })) return;
     // One fence for all the acknowledgements: acquire for the other blocks' counts (each fenced
     // after its reads) and release before the relaxed stores below. It was a fence, another before
     // the counter resets and a release store per peer: each waits for this thread's outstanding
@@ -323,6 +324,21 @@ __device__ void finish_recv(const BlockState<kRanks> &s, const Guard &ctx, unsig
         else
             nvshmemx_signal_op(reinterpret_cast<uint64_t *>(acks + rank), value, NVSHMEM_SIGNAL_SET, r);
     }
+}
+
+// The receive part of a launch (Params::phases & kRecv): recv(epoch) with this set's receive count,
+// then finish_recv (send_epoch / send_phase as there).
+template <int kRanks, class Params, class Recv>
+__device__ __forceinline__ void recv_part(const Params &p, const BlockState<kRanks> &s, const Guard &ctx,
+                                          const unsigned long long *send_epoch, int send_phase, Recv recv) {
+    if (!(p.phases & kRecv)) return;
+    const unsigned long long epoch = ld_volatile_u64(p.epochs + 1) + 1;
+    trace_stamp(p.trace, kTrRecvStart);
+    recv(epoch);
+    trace_stamp(p.trace, kTrRecvDone);
+    finish_recv(s, ctx, p.tickets + kTicketRecv, p.epochs + 1, epoch, send_epoch, send_phase, p.acks, p.mask, p.heap,
+                p.rank);
+    trace_stamp(p.trace, kTrEnd);
 }
 
 // How warps share (local expert, source) pairs: warp `gw` of `total` takes pairs p0, p0 + step, ...

@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 import torch
 
 from .config import Config
+from .runtime import cuda_decls
 from .event import EventOverlap
 
 TOPK_IDX_DTYPE = torch.int64      # epcomm.topk_idx_t
@@ -31,7 +32,7 @@ def _normal_index_dtype(topk_idx) -> torch.dtype:
     """Normal mode (layout, dispatch) takes int32 top-k ids as well as topk_idx_t (issue 3); the
     kernels are specialised on the index type and recv_topk_idx keeps it."""
     return torch.int32 if getattr(topk_idx, "dtype", None) is torch.int32 else TOPK_IDX_DTYPE
-MAX_TOPK = 32                     # normal-mode top-k bound
+MAX_TOPK = cuda_decls.header("common/limits.cuh").constant("kMaxTopk")   # one kernel lane per slot
 INT32_MAX = 2 ** 31 - 1           # kernels take counts and sizes as 32-bit ints
 FP8_BLOCK = 128                   # channels per FP8 scale
 UE8M0_PER_INT = 4                 # packed UE8M0 exponents per int32

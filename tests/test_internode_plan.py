@@ -58,7 +58,8 @@ def test_header_and_constants_mirror_cpp():
                         ("kMaxChunks", plan.MAX_CHUNKS), ("kMaxTopk", plan.MAX_TOPK),
                         ("kMaxLocalExperts", plan.MAX_LOCAL_EXPERTS), ("kNotifyHead", plan.NOTIFY_HEAD),
                         ("kPhaseConfigMismatch", len(plan.PHASES) - 2), ("kPhaseCapacity", len(plan.PHASES) - 1)):
-        lines.append(f"static_assert(epcomm::internode::{name} == {value}, \"{name}\");")
+        # Unqualified inside the namespace: the family's names and common/'s (kMaxTopk) are both found.
+        lines.append(f"namespace epcomm {{ namespace internode {{ static_assert({name} == {value}, \"{name}\"); }} }}")
     target = options.Target.make(90, 90, True)
     try:
         compiler._nvrtc_ltoir("\n".join(lines) + "\n", "internode_check.cu",

@@ -450,7 +450,7 @@ def test_ring_reuse_with_a_small_buffer(dist_env):
     (48, (2500, 900), "rank0", 30, 48),       # small rings, rank 1 receives nothing: ring waits across blocks
 ])
 def test_dynamic_chunk_claims(dist_env, buffer, sms, ns, route, ring_rows, combine_sms):
-    """Sending blocks take chunks from a rank-wide counter (intranode_common.cuh send_chunks): every
+    """Sending blocks take chunks from a rank-wide counter (intranode_protocol.cuh send_chunks): every
     chunk must go out exactly once, whichever block takes it, and the counter must be back at 0 for
     the next kernel. Dispatch, combine, cached dispatch and combine run back to back (no host sync
     between them), with different grids for dispatch and combine; a traced call then counts the

@@ -1,5 +1,5 @@
 """GPU: module loading and launches (plain, dynamic smem, cooperative, from a thread with
-no current context), the Params size check, and arch.cuh's row stage on both feature sets.
+no current context), the Params size check, and arch.cuh's warp copy on both feature sets.
 Run under torchrun (`make test-gpu`); each rank tests its own GPU and all ranks agree on the
 verdict. Launch overhead is printed (run with -s to see it)."""
 from __future__ import annotations
@@ -44,27 +44,14 @@ __global__ void grid_count(const __grid_constant__ FillParams p) {
     if (blockIdx.x == 0 && threadIdx.x == 0) p.out[1] = atomicAdd(p.out, 0);
 }
 struct RowParams { int4 *dst; const int4 *src; int rows; int row_bytes; };
-// One warp per row through WarpRowStage (TMA bulk copies on SM90, cp.async on SM80).
-__global__ void stage_rows(const __grid_constant__ RowParams p) {
-    __shared__ __align__(16) int4 stage[4][256];
-    __shared__ uint64_t bars[4];
-    WarpRowStage s;
-    s.init(stage[warp_id()], &bars[warp_id()], lane_id());
-    for (int r = blockIdx.x * 4 + warp_id(); r < p.rows; r += gridDim.x * 4) {
-        s.load(p.src + (long long)r * p.row_bytes / 16, p.row_bytes, lane_id());
-        s.wait_load();
-        s.store(p.dst + (long long)r * p.row_bytes / 16, p.row_bytes, lane_id());
-        s.wait_store(lane_id());
-    }
-}
 __global__ void copy16(const __grid_constant__ RowParams p) {
     if (blockIdx.x == 0 && warp_id() == 0)
-        warp_copy_16B<false>(p.dst, p.src, p.rows * p.row_bytes / 16, lane_id());
+        warp_copy(p.dst, p.rows * p.row_bytes / 16, lane_id(), [&](int i) { return p.src[i]; });
 }
 }
 """
 SRC = KernelSource("probe.cu", ("epcomm::fill<5>", "epcomm::smem_sum", "epcomm::grid_count",
-                                "epcomm::stage_rows", "epcomm::copy16"))
+                                "epcomm::copy16"))
 
 
 class FillParams(ctypes.Structure):
@@ -190,8 +177,7 @@ def test_launch_from_a_thread_without_a_current_context(dist_env, probe):
     on_all_ranks(dist_env, check)
 
 
-@pytest.mark.parametrize("name", ["epcomm::stage_rows", "epcomm::copy16"])
-def test_row_copy_helpers_on_both_feature_sets(dist_env, probe, name):
+def test_warp_copy_on_both_feature_sets(dist_env, probe):
     import torch
     from epcomm.runtime.arch import device_arch
     features = [80, 90] if device_arch(dist_env.device.index).cc >= 90 else [80]
@@ -202,9 +188,9 @@ def test_row_copy_helpers_on_both_feature_sets(dist_env, probe, name):
                             device=dist_env.device)
         for feature in features:
             dst = torch.zeros_like(src)
-            kernel(name, dist_env, feature).launch((16, 1, 1), (128, 1, 1),
+            kernel("epcomm::copy16", dist_env, feature).launch((16, 1, 1), (128, 1, 1),
                                                   RowParams(dst.data_ptr(), src.data_ptr(), rows,
                                                             row_bytes), stream())
             torch.cuda.synchronize()
-            assert torch.equal(dst, src), f"{name} with feature set {feature}"
+            assert torch.equal(dst, src), f"warp_copy with feature set {feature}"
     on_all_ranks(dist_env, check)

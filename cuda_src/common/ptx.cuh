@@ -5,29 +5,22 @@
 
 namespace epcomm {
 
-__device__ __forceinline__ int ld_acquire_sys(const int *p) {
-    int v;
-    asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long *p) {
-    unsigned long long v;
-    asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ int ld_relaxed_sys(const int *p) {
-    int v;
-    asm volatile("ld.relaxed.sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ unsigned long long ld_relaxed_sys(const unsigned long long *p) {
-    unsigned long long v;
-    asm volatile("ld.relaxed.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
+// Each ordered load in a 32-bit (int) and a 64-bit (unsigned long long) flavour; `sem` is the PTX
+// ordering.
+#define EPCOMM_ORDERED_LOAD(name, sem)                                                         \
+    __device__ __forceinline__ int name(const int *p) {                                        \
+        int v;                                                                                 \
+        asm volatile("ld." sem ".sys.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");     \
+        return v;                                                                              \
+    }                                                                                          \
+    __device__ __forceinline__ unsigned long long name(const unsigned long long *p) {          \
+        unsigned long long v;                                                                  \
+        asm volatile("ld." sem ".sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");     \
+        return v;                                                                              \
+    }
+EPCOMM_ORDERED_LOAD(ld_acquire_sys, "acquire")
+EPCOMM_ORDERED_LOAD(ld_relaxed_sys, "relaxed")
+#undef EPCOMM_ORDERED_LOAD
 
 __device__ __forceinline__ void st_release_sys(int *p, int v) {
     asm volatile("st.release.sys.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
@@ -76,6 +69,24 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4 *p) {
     asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
+}
+
+// Memory that peers write while the kernel runs: L2 only, never a stale L1 line.
+__device__ __forceinline__ int4 ld_cg_v4(const void *p) {
+    int4 v;
+    asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ int ld_cg(const int *p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float ld_cg(const float *p) { return __int_as_float(ld_cg(reinterpret_cast<const int *>(p))); }
+
+// A word that the previous kernel (or this one's other blocks) wrote; no ordering implied.
+__device__ __forceinline__ unsigned long long ld_volatile_u64(const void *p) {
+    return *static_cast<const volatile unsigned long long *>(p);
 }
 
 __device__ __forceinline__ void st_cg_v4(int4 *p, int4 v) {

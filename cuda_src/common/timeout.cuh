@@ -21,6 +21,18 @@ static_assert(sizeof(ErrorRecord) == 32, "ErrorRecord layout is mirrored in Pyth
 // than num_worst_tokens); epcomm.errors.DeviceCheckFailed on the host.
 enum ErrorCode : int { kOk = 0, kPeerTimeout = 1, kDeviceCheckFailed = 2 };
 
+// The one spin loop of every bounded wait: polls ready() until it holds (true) or, checked once
+// every kPollsPerCheck polls (reading %globaltimer or a flag costs more than a poll), until
+// give_up() says so (false; give_up records why).
+constexpr unsigned int kPollsPerCheck = 1024;
+template <class Ready, class GiveUp>
+__device__ __forceinline__ bool spin_until(Ready ready, GiveUp give_up) {
+    for (unsigned int spins = 1;; ++spins) {
+        if (ready()) return true;
+        if (spins % kPollsPerCheck == 0 && give_up()) return false;
+    }
+}
+
 struct WaitContext {
     ErrorRecord *err;                 // host-mapped record (device pointer)
     unsigned long long deadline_ns;   // %globaltimer value after which waits fail
@@ -47,8 +59,7 @@ struct WaitContext {
 // WaitContext plus a sticky failure flag in device memory, for kernels whose waits are many and
 // hot: the host-mapped ErrorRecord is written once on failure (what the host raises from), and
 // waits poll the flag instead. Why not poll the record: it is host memory, read over PCIe, and
-// such reads serialise GPU-wide at ~1.1 us each (measured on 2 x H200: 384 warps each checking it
-// once at kernel start took 420 us, the whole fixed cost of an intranode call; bench/NOTES.md). A
+// such reads serialise GPU-wide (~1 us each). A
 // failure makes the Buffer unusable (StatusRecord.check), so the flag needs no clearing; a new
 // Buffer starts zeroed. The flag is per rank: kernels of later calls see it and wind down at once.
 struct Guard {
@@ -74,21 +85,27 @@ struct Guard {
         ctx.record(peer, phase, kDeviceCheckFailed);
         raise_flag();
     }
-    // Spin until ready(); every 1024 polls check the local flag and the deadline (%globaltimer).
+    __device__ __forceinline__ bool past_deadline() const { return globaltimer_ns() > ctx.deadline_ns; }
+    // Spin until ready(); every kPollsPerCheck polls check the local flag and the deadline.
     template <class Ready>
     __device__ __forceinline__ bool wait(int peer, int phase, Ready ready) const {
-        unsigned int spins = 0;
-        while (!ready()) {
-            if ((++spins & 1023u) == 0) {
-                if (failed()) return false;
-                if (globaltimer_ns() > ctx.deadline_ns) {
-                    timeout(peer, phase);
-                    return false;
-                }
-            }
-        }
-        return true;
+        return spin_until(ready, [&] {
+            if (failed()) return true;
+            if (!past_deadline()) return false;
+            timeout(peer, phase);
+            return true;
+        });
     }
 };
+
+// Bounded waits for a value another GPU release-writes: poll with relaxed loads (an acquire load
+// per spin would invalidate the SM's L1 each time), then one acquire load of the same word
+// synchronises with the writer (a fence would also wait for this warp's own pending stores).
+// T: int or unsigned long long (the ptx.cuh overloads).
+template <class T>
+__device__ __forceinline__ bool wait_at_least(const Guard &guard, const T *p, T target, int peer, int phase) {
+    if (!guard.wait(peer, phase, [&] { return ld_relaxed_sys(p) >= target; })) return false;
+    return ld_acquire_sys(p) >= target;
+}
 
 }  // namespace epcomm

@@ -1,4 +1,4 @@
-"""Normal-mode internode dispatch / combine on the GPU (cuda_src/internode.cu; protocol in its header).
+"""Normal-mode internode dispatch / combine on the GPU (cuda_src/internode.cu; protocol in cuda_src/README.md).
 
 A fresh dispatch is two launches on the current stream: `notify` (exchange counts over NVSHMEM,
 build the routing tables) then the data kernel; with num_worst_tokens == 0 the host reads the

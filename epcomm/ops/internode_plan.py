@@ -1,8 +1,9 @@
-"""Host-side geometry of the internode kernels (cuda_src/internode.cu): Params mirrors, the layout of
-the RDMA buffer, the chunking and the size hint. Pure Python: no torch, no GPU.
+"""Host-side geometry of the internode kernels (cuda_src/internode.cu): the Params structs and
+constants (read from cuda_src/internode_protocol.cuh), the layout of the RDMA buffer, the chunking
+and the size hint. Pure Python: no torch, no GPU.
 
 RDMA buffer of every rank (same offsets everywhere):
-  header (internode_common.cuh `Header`) | data region
+  header (internode_protocol.cuh `Header`) | data region
 The data region is laid out per kernel (a kernel only writes it once every rank finished the
 previous internode kernel, so the layouts may overlap):
   notify:   received count rows [R][notify_ints] i32 | outgoing count rows [R][notify_ints] i32
@@ -24,14 +25,15 @@ ValueError first wherever every rank knows that N (exact-mode dispatch and its h
 """
 from __future__ import annotations
 
-import ctypes
+from ..runtime import cuda_decls
 
-THREADS = 512                 # kThreads
-NOTIFY_THREADS = 1024         # kNotifyThreads
-MAX_CHUNKS = 1024             # kMaxChunks: signal words per source node
-MAX_TOPK = 32                 # kMaxTopk: combine's rows hold this many weights whatever K is
-MAX_LOCAL_EXPERTS = 1024      # kMaxLocalExperts: expert counts per notify row
-NOTIFY_HEAD = 8               # kNotifyHead: header ints of a notify row
+_DECLS = cuda_decls.header("internode_protocol.cuh")
+THREADS = _DECLS.constant("kThreads")
+NOTIFY_THREADS = _DECLS.constant("kNotifyThreads")
+MAX_CHUNKS = _DECLS.constant("kMaxChunks")                 # signal words per source node
+MAX_TOPK = _DECLS.constant("kMaxTopk")                     # combine's rows hold this many weights whatever K is
+MAX_LOCAL_EXPERTS = _DECLS.constant("kMaxLocalExperts")    # expert counts per notify row
+NOTIFY_HEAD = _DECLS.constant("kNotifyHead")               # header ints of a notify row
 # Token chunks per block in dispatch's RDMA stage: each (node, chunk) is one put with a signal, so
 # more chunks start the transfers (and the receivers' copies) earlier, at more signals.
 CHUNKS_PER_BLOCK = 4
@@ -42,75 +44,23 @@ HINT_LOCAL_RANKS = 8
 # Tokens per rank the size hint provides for (a call with more raises, naming this hint).
 HINT_TOKENS = 4096
 
-# ErrorRecord.phase names, in the order of internode_common.cuh's `Phase`.
-PHASES = [
-    "a rank has not finished its previous internode kernel",
-    "waiting for a rank's token counts",
-    "waiting for a chunk of a source rank's token records",
-    "waiting for a local rank's pushed rows",
-    "waiting for a node's partial sums",
-    "more rows received than num_worst_tokens",
-    "ranks use different chunk counts, expert counts or token formats (Config.num_sms, num_experts, "
-    "hidden, FP8 or top-k differ, or topk_weights given to combine on some ranks only)",
-    "the largest N of all ranks does not fit the RDMA buffer (internode calls are one-shot: raise "
-    "num_rdma_bytes; Config.get_rdma_buffer_size_hint)",
-]
+# ErrorRecord.phase names: the comments of internode_protocol.cuh's `Phase`.
+PHASES = _DECLS.enum_comments("Phase")
 
 
 def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-# ---- Params mirrors (static_assert'ed in internode_common.cuh and by tests/test_internode_plan.py)
-_P, _I, _LL, _ULL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_ulonglong
-
-
-class NotifyParams(ctypes.Structure):
-    _fields_ = [("is_token_in_rank", _P), ("num_tokens_per_expert", _P), ("info", _P),
-                ("rdma_channel_prefix", _P), ("gbl_channel_prefix", _P),
-                ("recv_rdma_channel_prefix", _P), ("recv_rdma_rank_prefix_sum", _P),
-                ("recv_gbl_channel_prefix", _P), ("recv_gbl_rank_prefix_sum", _P),
-                ("send_rdma_head", _P), ("send_nvl_head", _P), ("peer_bases", _P), ("err", _P),
-                ("timeout_ns", _ULL), ("area_offset", _LL), ("stage_offset", _LL),
-                ("num_tokens", _I), ("num_chunks", _I), ("tokens_per_chunk", _I),
-                ("num_local_experts", _I), ("notify_ints", _I), ("num_topk", _I), ("num_scales", _I),
-                ("row_bytes", _I), ("rank", _I), ("op", _I)]
-
-
-class DispatchParams(ctypes.Structure):
-    _fields_ = [("x", _P), ("x_scales", _P), ("topk_idx", _P), ("topk_weights", _P),
-                ("rdma_channel_prefix", _P), ("recv_rdma_channel_prefix", _P),
-                ("recv_gbl_rank_prefix_sum", _P), ("send_rdma_head", _P), ("send_nvl_head", _P),
-                ("recv_x", _P), ("recv_x_scales", _P), ("recv_topk_idx", _P),
-                ("recv_topk_weights", _P), ("recv_src_meta", _P), ("max_tokens", _P), ("peer_bases", _P),
-                ("err", _P), ("scale_stride_token", _LL), ("scale_stride_group", _LL), ("timeout_ns", _ULL),
-                ("recv_offset", _LL), ("stage_offset", _LL),
-                ("capacity", _I), ("record_bytes", _I), ("num_tokens", _I), ("num_chunks", _I),
-                ("tokens_per_chunk", _I), ("num_topk", _I), ("num_local_experts", _I),
-                ("num_out_rows", _I), ("rank", _I), ("op", _I)]
-
-
-class CombineParams(ctypes.Structure):
-    _fields_ = [("x", _P), ("topk_weights", _P), ("bias0", _P), ("bias1", _P),
-                ("recv_src_meta", _P), ("recv_gbl_rank_prefix_sum", _P),
-                ("recv_rdma_channel_prefix", _P), ("send_rdma_head", _P), ("combined_x", _P),
-                ("combined_weights", _P), ("max_tokens", _P), ("peer_bases", _P), ("err", _P),
-                ("timeout_ns", _ULL),
-                ("push_offset", _LL), ("partial_stage_offset", _LL), ("partial_recv_offset", _LL),
-                ("capacity", _I), ("push_bytes", _I), ("partial_bytes", _I), ("chunk_records", _I),
-                ("num_tokens", _I), ("num_chunks", _I), ("num_topk", _I), ("rank", _I), ("op", _I),
-                ("pad_", _I)]
-
-
-PARAMS = {"NotifyParams": NotifyParams, "DispatchParams": DispatchParams,
-          "CombineParams": CombineParams}
+# ---- Params (declared in internode_protocol.cuh) ---------------------------------------------
+PARAMS = {name: _DECLS.struct(name) for name in ("NotifyParams", "DispatchParams", "CombineParams")}
+NotifyParams, DispatchParams, CombineParams = PARAMS.values()
 
 
 # ---- RDMA buffer layout ----------------------------------------------------------------------
 def header_bytes(num_ranks: int, num_nodes: int) -> int:
-    """Bytes of internode_common.cuh's Header<R, M> (mirrored; checked by a static_assert test)."""
-    record_signals = _align(64 + 8 * num_ranks * 3, 128)
-    return _align(record_signals + 2 * 8 * num_nodes * MAX_CHUNKS, 256)
+    """Bytes of internode_protocol.cuh's Header<R, M>."""
+    return _DECLS.member("Header", "kBytes", kRanks=num_ranks, kNodes=num_nodes)
 
 
 def notify_ints(num_ranks: int) -> int:

@@ -1,4 +1,4 @@
-"""Normal-mode intranode dispatch / combine on the GPU (cuda_src/intranode.cu; protocol in its header).
+"""Normal-mode intranode dispatch / combine on the GPU (cuda_src/intranode.cu; protocol in cuda_src/README.md).
 
 A fresh dispatch is two launches on the current stream: `notify` (exchange counts, build the
 routing tables) then the data kernel; with num_worst_tokens == 0 the host reads the counts in
@@ -48,7 +48,7 @@ def representative_sources() -> List[KernelSource]:
 
 def kernel_source(name: str, trace: bool = False) -> KernelSource:
     """The unit that builds one intranode kernel (a name from intranode_plan: notify_kernel, ...)."""
-    return KernelSource("intranode.cu", (name,), (("EPCOMM_INTRANODE_TRACE", 1),) if trace else ())
+    return KernelSource("intranode.cu", (name,), (("EPCOMM_TRACE", 1),) if trace else ())
 
 
 def _kernel(gb, name: str, trace: bool):
@@ -56,7 +56,7 @@ def _kernel(gb, name: str, trace: bool):
 
 
 # ---- profiling mode (EPCOMM_INTRANODE_TRACE=1) -----------------------------------------------
-# Kernels built with -DEPCOMM_INTRANODE_TRACE stamp %globaltimer per warp and phase into a device
+# Kernels built with -DEPCOMM_TRACE stamp %globaltimer per warp and phase into a device
 # buffer (slots: intranode_plan.TRACE_SLOTS); last_trace() returns the latest launch's stamps.
 # The environment is read once, at import (a read per call costs ~2.5 us); set_tracing switches.
 _TRACE = TraceRows(plan.TRACE_WARPS, len(plan.TRACE_SLOTS))
@@ -237,8 +237,8 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
         peer_bases=gb.nvl.peer_table.data_ptr(), err=gb.status.device_ptr, timeout_ns=gb.timeout_ns,
         notify_offset=plan.header_bytes(num_ranks), num_tokens=num_tokens, num_chunks=chunks,
         tokens_per_chunk=plan.tokens_per_chunk(num_tokens, chunks),
-        num_local_experts=num_local_experts, rank=gb.rank, op=DISPATCH_OP,
-        trace=_TRACE.zeroed(gb.device_index, 1) if trace else 0)
+        num_local_experts=num_local_experts, notify_ints=plan.notify_ints(num_ranks, num_local_experts),
+        rank=gb.rank, op=DISPATCH_OP, trace=_TRACE.zeroed(gb.device_index, 1) if trace else 0)
     launch_1d(gb, _kernel(gb, plan.notify_kernel(num_ranks), trace), 1, plan.NOTIFY_THREADS, params)
     rank_prefix = info[:num_ranks * num_ranks].view(num_ranks, num_ranks)
     return rank_prefix, channel_prefix, recv_channel_prefix, send_head, info

@@ -1,8 +1,9 @@
-"""Host-side geometry of the intranode kernels (cuda_src/intranode.cu): Params mirrors, the layout of
-the NVL buffer, the chunking, the SM split and the size hint. Pure Python: no torch, no GPU.
+"""Host-side geometry of the intranode kernels (cuda_src/intranode.cu): the Params structs and
+constants (read from cuda_src/intranode_protocol.cuh), the layout of the NVL buffer, the chunking,
+the SM split and the size hint. Pure Python: no torch, no GPU.
 
 NVL buffer of every rank (same offsets everywhere):
-  header (signals, see intranode.cu `Header`) | dispatch only: notify area | receive rings
+  header (signals, intranode_protocol.cuh `Header`) | dispatch only: notify area | receive rings
 A ring per peer holds `ring_rows` records; a record is one row plus its metadata:
   dispatch: row bytes | scales f32[S] | local top-k i32[K] | weights f32[K] | source index i32
   combine:  row bytes (bf16) | weights f32[K]
@@ -10,13 +11,16 @@ each rounded up to 16 bytes.
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
-THREADS = 512                 # data kernels (kThreads)
-NOTIFY_THREADS = 1024         # kNotifyThreads
-MAX_CHUNKS = 1024             # kMaxChunks: G never exceeds it
-PARTS_PER_CHUNK = 8           # kParts
+from ..runtime import cuda_decls
+
+_DECLS = cuda_decls.header("intranode_protocol.cuh")
+THREADS = _DECLS.constant("kThreads")                # data kernels
+NOTIFY_THREADS = _DECLS.constant("kNotifyThreads")
+MAX_CHUNKS = _DECLS.constant("kMaxChunks")           # G never exceeds it
+PARTS_PER_CHUNK = _DECLS.constant("kParts")
+MAX_TOPK = _DECLS.constant("kMaxTopk")
 
 # Chunks per sending block: more chunks = finer pipelining between the NVLink writes and the
 # receivers' copies (and a shorter tail), fewer = less signalling. See bench/NOTES.md "intranode".
@@ -28,78 +32,33 @@ COMBINE_PUSH_SHARE = 1 / 2
 # Ring capacity (rows per peer) the size hint provides: a dispatch of up to this many rows per
 # peer is one-shot (no sender ever waits for ring space).
 HINT_RING_ROWS = 4096
-MAX_TOPK = 32
-
-# ErrorRecord.phase names, in the order of intranode.cu's `Phase`.
-PHASES = [
-    "peer still busy with its previous intranode kernel",
-    "waiting for the peer's token counts",
-    "waiting for the peer's rows",
-    "waiting for the peer to free receive-ring space",
-    "a chunk has more rows than the receive ring (num_nvl_bytes too small)",
-    "more rows received than num_worst_tokens",
-    "ranks use different chunk counts or expert counts (Config.num_sms or num_experts differ)",
-]
+# ErrorRecord.phase names: the comments of intranode_protocol.cuh's `Phase`.
+PHASES = _DECLS.enum_comments("Phase")
 
 
 def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-# Profiling builds (EPCOMM_INTRANODE_TRACE=1): per (block, warp) slots of intranode_common.cuh's
+# Profiling builds (EPCOMM_INTRANODE_TRACE=1): per (block, warp) slots of intranode_protocol.cuh's
 # TraceSlot, u64 each; stamps are %globaltimer ns, the *_ns / claims slots are sums.
-TRACE_WARPS = 32
-TRACE_SLOTS = ["start", "idle", "sent", "first_data", "received", "wait_ns", "signal_ns", "claims",
-               "end", "published", "chunks"]
+TRACE_WARPS = _DECLS.constant("kTraceWarps")
+TRACE_SLOTS = _DECLS.enum_names("TraceSlot", "kTr")
 
-# ---- Params mirrors (static_assert'ed in intranode.cu and by tests/test_intranode_plan.py) ----
-_P, _I, _LL, _ULL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_ulonglong
-
-
-class NotifyParams(ctypes.Structure):
-    _fields_ = [("is_token_in_rank", _P), ("num_tokens_per_expert", _P), ("info", _P),
-                ("channel_prefix", _P), ("recv_channel_prefix", _P), ("send_head", _P),
-                ("peer_bases", _P), ("err", _P), ("timeout_ns", _ULL), ("notify_offset", _LL),
-                ("num_tokens", _I), ("num_chunks", _I), ("tokens_per_chunk", _I),
-                ("num_local_experts", _I), ("rank", _I), ("op", _I), ("trace", _P)]
-
-
-class DispatchParams(ctypes.Structure):
-    _fields_ = [("x", _P), ("x_scales", _P), ("topk_idx", _P), ("topk_weights", _P),
-                ("rank_prefix", _P), ("channel_prefix", _P), ("recv_channel_prefix", _P),
-                ("send_head", _P), ("recv_x", _P), ("recv_x_scales", _P), ("recv_topk_idx", _P),
-                ("recv_topk_weights", _P), ("recv_src_idx", _P), ("peer_bases", _P), ("err", _P),
-                ("scale_stride_token", _LL), ("scale_stride_group", _LL), ("timeout_ns", _ULL),
-                ("staging_offset", _LL), ("ring_rows", _I), ("record_bytes", _I),
-                ("num_tokens", _I), ("num_chunks", _I), ("tokens_per_chunk", _I), ("num_topk", _I),
-                ("num_local_experts", _I), ("num_out_rows", _I), ("rank", _I),
-                ("num_send_blocks", _I), ("op", _I), ("pad_", _I), ("trace", _P)]
-
-
-class CombineParams(ctypes.Structure):
-    _fields_ = [("x", _P), ("topk_weights", _P), ("bias0", _P), ("bias1", _P),
-                ("rank_prefix", _P), ("channel_prefix", _P), ("recv_channel_prefix", _P),
-                ("send_head", _P), ("combined_x", _P), ("combined_weights", _P),
-                ("peer_bases", _P), ("err", _P), ("timeout_ns", _ULL), ("staging_offset", _LL),
-                ("ring_rows", _I), ("record_bytes", _I), ("num_tokens", _I), ("num_chunks", _I),
-                ("tokens_per_chunk", _I), ("num_topk", _I), ("rank", _I), ("num_send_blocks", _I),
-                ("op", _I), ("pad_", _I), ("trace", _P)]
-
-
-PARAMS = {"NotifyParams": NotifyParams, "DispatchParams": DispatchParams,
-          "CombineParams": CombineParams}
+# ---- Params (declared in intranode_protocol.cuh) ---------------------------------------------
+PARAMS = {name: _DECLS.struct(name) for name in ("NotifyParams", "DispatchParams", "CombineParams")}
+NotifyParams, DispatchParams, CombineParams = PARAMS.values()
 
 
 # ---- NVL buffer layout -----------------------------------------------------------------------
 def header_bytes(num_ranks: int) -> int:
-    """Bytes of intranode.cu's Header<R> (mirrored; checked by a static_assert test)."""
-    ready = _align(64 + 16 * num_ranks, 128)
-    return ready + (4 + 4 + 8) * num_ranks * MAX_CHUNKS
+    """Bytes of intranode_protocol.cuh's Header<R>."""
+    return _DECLS.member("Header", "kBytes", kRanks=num_ranks)
 
 
 def notify_ints(num_ranks: int, num_local_experts: int) -> int:
-    """Ints one source writes into each rank's notify area (the same formula as notify_kernel's
-    notify_ints; sized for MAX_CHUNKS so that a rank using another G is read at the right place)."""
+    """Ints one source writes into each rank's notify area (NotifyParams.notify_ints; sized for
+    MAX_CHUNKS so that a rank using another G is read at the right place)."""
     return _align(4 + num_ranks + num_local_experts + MAX_CHUNKS + 1, 4)
 
 

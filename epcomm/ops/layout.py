@@ -8,34 +8,26 @@ plan fixes (dtype, device, K, E, R, L, the load width) is checked once, when the
 """
 from __future__ import annotations
 
-import ctypes
 from types import SimpleNamespace
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..runtime.arch import device_arch
+from ..runtime import cuda_decls
 from ..runtime.compiler import KernelSource
 from ..runtime.module import get_kernel
 from ._common import INDEX_TYPES, current_stream, plan_for
 
-THREADS = 512
+_DECLS = cuda_decls.header("layout.cu")
+THREADS = _DECLS.constant("kDataThreads")
 # Up to this many tokens one block does everything (no global atomics, plain launch); above it the
 # token range is spread over up to one block per SM (a cooperative launch, see layout.cu).
 SINGLE_BLOCK_TOKENS = THREADS
 _I32, _BOOL = torch.int32, torch.bool
 
 
-class LayoutParams(ctypes.Structure):
-    """Mirror of epcomm::LayoutParams (cuda_src/layout.cu)."""
-    _fields_ = [
-        ("topk_idx", ctypes.c_void_p),
-        ("num_tokens_per_rank", ctypes.c_void_p),
-        ("num_tokens_per_rdma_rank", ctypes.c_void_p),
-        ("num_tokens_per_expert", ctypes.c_void_p),
-        ("is_token_in_rank", ctypes.c_void_p),
-        ("num_tokens", ctypes.c_longlong),
-    ]
+LayoutParams = _DECLS.struct("LayoutParams")
 
 
 def layout_source(num_topk: int, num_experts: int, num_ranks: int, num_local_ranks: int,

@@ -1,5 +1,5 @@
-"""Low-latency dispatch / combine on the GPU: one kernel each (cuda_src/low_latency.cu, where the
-protocol is described), launched once per call, or twice with return_recv_hook (send part now,
+"""Low-latency dispatch / combine on the GPU: one kernel each (cuda_src/low_latency.cu; protocol in
+cuda_src/README.md), launched once per call, or twice with return_recv_hook (send part now,
 receive part in the hook). Buffer layout: epcomm/ops/low_latency_layout.py.
 
 The host path per call, kept to the minimum: the backend's lookup of the kernel and its cached Params
@@ -11,7 +11,6 @@ device-side bookkeeping launched from here: every call can be captured in a CUDA
 """
 from __future__ import annotations
 
-import ctypes
 import sys
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
@@ -19,51 +18,25 @@ import torch
 
 from .. import env
 from ..backend import LowLatencyDispatchResult, LowLatencyHandle
+from ..runtime import cuda_decls
 from ..runtime.compiler import KernelSource
 from ._common import INDEX_TYPES, backend_kernel, current_stream, plan_for, ptr
 from .trace import TraceRows
 from .low_latency_layout import MAX_TOPK, THREADS, Layout, dispatch_smem_bytes
 
-SEND, RECV = 1, 2                  # Params.phases
-_P = ctypes.c_void_p
 
-DISPATCH_PHASES = ["wait for a peer to release the buffer set", "wait for a source's token list",
-                   "wait for a token's message"]
-# epcomm::ll::CombinePhase
-COMBINE_PHASES = ["wait for a peer to release the buffer set", "wait for a source's top-k record",
-                  "wait for an expert rank's partial sum", "wait for this rank's send part to end"]
-
-_SHARED = [("heap", _P), ("peer_bases", _P), ("acks", _P), ("epochs", _P), ("tickets", _P), ("mask", _P),
-           ("failed", _P)]
-
-
-class DispatchParams(ctypes.Structure):
-    """Mirror of epcomm::ll::DispatchParams."""
-    _fields_ = [("x", _P), ("topk_idx", _P), ("recv_x", _P), ("recv_scales", _P), ("recv_src_info", _P),
-                ("recv_layout_range", _P), ("recv_count", _P), ("cumulative_recv_stats", _P),
-                ("wait_recv_cost_stats", _P)] + _SHARED + [
-                ("token_tags", _P), ("list_tags", _P), ("lists", _P), ("messages", _P),
-                ("message_stage", _P), ("list_stage", _P), ("err", _P), ("timeout_ns", ctypes.c_uint64),
-                ("num_tokens", ctypes.c_int), ("rank", ctypes.c_int), ("phases", ctypes.c_int),
-                ("use_nvlink", ctypes.c_int), ("stage_for_puts", ctypes.c_int), ("enable_shrink", ctypes.c_int),
-                ("op", ctypes.c_int), ("pad", ctypes.c_int), ("trace", _P)]
-
-
-class CombineParams(ctypes.Structure):
-    """Mirror of epcomm::ll::CombineParams."""
-    _fields_ = [("x", _P), ("src_info", _P), ("layout_range", _P), ("topk_idx", _P), ("topk_weights", _P),
-                ("out", _P), ("wait_recv_cost_stats", _P)] + _SHARED + [
-                ("record_tags", _P), ("partial_tags", _P), ("records", _P), ("partials", _P),
-                ("record_stage", _P), ("partial_stage", _P), ("err", _P),
-                ("timeout_ns", ctypes.c_uint64),
-                ("num_tokens", ctypes.c_int), ("rank", ctypes.c_int), ("phases", ctypes.c_int),
-                ("use_nvlink", ctypes.c_int), ("enable_shrink", ctypes.c_int), ("op", ctypes.c_int),
-                ("trace", _P)]
+_DECLS = cuda_decls.header("low_latency_protocol.cuh")
+SEND, RECV = _DECLS.constant("kSend"), _DECLS.constant("kRecv")   # Params.phases bits
+# ErrorRecord.phase names: the comments of the kernels' DispatchPhase / CombinePhase.
+DISPATCH_PHASES = _DECLS.enum_comments("DispatchPhase")
+COMBINE_PHASES = _DECLS.enum_comments("CombinePhase")
+DispatchParams = _DECLS.struct("DispatchParams")
+CombineParams = _DECLS.struct("CombineParams")
 
 
 # ---- kernel specialisations --------------------------------------------------------------------
 def _trace_defines(trace: bool) -> tuple:
-    return (("EPCOMM_LL_TRACE", 1),) if trace else ()
+    return (("EPCOMM_TRACE", 1),) if trace else ()
 
 
 def dispatch_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int, num_max_tokens: int,
@@ -84,11 +57,10 @@ def combine_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int,
 
 
 # ---- profiling builds (EPCOMM_LL_TRACE=1, or set_tracing) ------------------------------------
-# Kernels built with -DEPCOMM_LL_TRACE stamp %globaltimer per (block, warp) at the phase ends named
+# Kernels built with -DEPCOMM_TRACE stamp %globaltimer per (block, warp) at the phase ends named
 # here (cuda_src/low_latency_protocol.cuh, TraceSlot); last_trace() returns the latest launch's.
 # The environment is read once, at import (a read per call costs ~2.5 us); set_tracing switches.
-TRACE_SLOTS = ["start", "released", "send_a", "send_b", "send_c", "send_done", "recv_start", "recv_ready",
-               "recv_done", "end", "aux_a", "aux_b", "aux_c", "count"]
+TRACE_SLOTS = _DECLS.enum_names("TraceSlot", "kTr")
 TRACE_MEANING = {"dispatch": {"send_a": "messages sent", "send_b": "lists sent",
                               "recv_ready": "first pair's lists ready", "aux_a": "first message's stores issued",
                               "aux_b": "first message's release store done", "aux_c": "a list scanned",

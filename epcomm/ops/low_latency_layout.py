@@ -32,14 +32,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-THREADS = 512                # threads per block of both kernels (template argument)
-SCALE_CHANNELS = 128         # channels per FP8 scale
-LIST_HEADER_BYTES = 16       # count + padding before the token indices of a list
-SMEM_BUDGET = 96 * 1024      # DispatchShape::kSmemBudget
+from ..runtime import cuda_decls
+
+_DECLS = cuda_decls.header("low_latency_dispatch.cuh")   # and the protocol and common headers it includes
+THREADS = _DECLS.constant("kDataThreads")             # threads per block of both kernels (template argument)
+SCALE_CHANNELS = _DECLS.constant("kScaleChannels")    # channels per FP8 scale
+LIST_HEADER_BYTES = _DECLS.constant("kListHeaderBytes")   # count + padding before a list's token indices
+SMEM_BUDGET = _DECLS.member("DispatchShape", "kSmemBudget")
 ALIGN = 256                  # every region starts on this boundary
-MAX_TOPK = 32                # the kernels give one lane per top-k slot
-RECORD_BYTES = 16 * MAX_TOPK  # combine top-k record: per slot two stamped u64 words (expert id, weight)
-TICKET_BYTES = 4 * 8         # per set: u32 counters [epcomm::ll::kCounters]
+MAX_TOPK = _DECLS.constant("kMaxTopk")                # the kernels give one lane per top-k slot
+RECORD_BYTES = _DECLS.constant("kRecordBytes")        # combine top-k record: two stamped u64 words per slot
+TICKET_BYTES = 4 * _DECLS.constant("kCounters")       # per set: the u32 counters of enum Counter
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -47,10 +50,8 @@ def _align(n: int, a: int = ALIGN) -> int:
 
 
 def message_bytes(hidden: int, fp8: bool) -> int:
-    """One dispatch message: FP8 payload + f32 scales (padded to 16 bytes), or BF16 row."""
-    if not fp8:
-        return 2 * hidden
-    return hidden + _align(4 * (hidden // SCALE_CHANNELS), 16)
+    """One dispatch message (Message<H, fp8>): FP8 payload + f32 scales (padded to 16 bytes), or BF16 row."""
+    return _DECLS.member("Message", "kBytes", kHidden=hidden, kFP8=int(fp8))
 
 
 def list_bytes(num_max_tokens: int) -> int:

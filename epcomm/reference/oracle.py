@@ -21,6 +21,7 @@ Definitions fixed here (where DeepEP leaves room):
   * combine sums in fp32: bias0 + bias1 first, then ranks ascending (normal). Low latency: per
     expert rank d a partial sum over the top-k slots whose expert lives on d, k ascending (w * x
     per term, from +0), then the partials of d ascending (from +0), then one rounding to bf16.
+  * every NaN rounds to the one bf16 pattern BF16_NAN_BITS (0x7fff), whatever its sign or payload;
   * rank masks (enable_shrink): rank_masks[r] is rank r's mask buffer [R] (nonzero = masked); the
     link s <-> d is dead when either masks the other; a dead link carries no tokens either way.
 """
@@ -35,6 +36,21 @@ CHANNELS_PER_SCALE = 128
 _FP8_MARGIN = torch.tensor(1e-4, dtype=torch.float32)          # kernels: fmaxf(1e-4f, |x|)
 _FP8_MAX_F32 = torch.tensor(FP8_MAX, dtype=torch.float32)
 _FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)  # the kernels' fl32(1/448)
+
+
+# The bf16 NaN of every combine: what torch's .to(torch.bfloat16) gives on a CUDA device (CUDA's
+# canonical NaN) and cuda_src/common/bf16.cuh kBf16NaN. torch on the CPU gives other bits for the
+# same NaN (0xffff from its vectorised path, 0x7fc0 from its scalar one), so to_bf16 sets them.
+BF16_NAN_BITS = 0x7FFF
+
+
+def to_bf16(acc: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16, round to nearest even, every NaN as BF16_NAN_BITS."""
+    out = acc.to(torch.bfloat16)
+    nan = acc.isnan()
+    if bool(nan.any()):
+        out.view(torch.int16)[nan] = BF16_NAN_BITS
+    return out
 
 
 def _local_experts(num_experts: int, num_ranks: int) -> int:
@@ -181,7 +197,7 @@ def combine(xs, is_token_in_ranks, rank, topk_weights=None, bias=(None, None), n
         acc[reached] += partial[reached]
         if weights is not None:
             weights[reached] += partial_weights[reached]
-    return acc.to(torch.bfloat16), weights
+    return to_bf16(acc), weights
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,7 +380,7 @@ def ll_combine_rows(rows, topk_idx, topk_weights, rank, num_experts, rank_masks=
             term = table[slot[safe, tokens]] * topk_weights[:, k].float()[:, None]
             partial += torch.where(used[:, None], term, 0.0)
         acc += partial
-    return acc.to(torch.bfloat16)
+    return to_bf16(acc)
 
 
 def low_latency_combine(expert_outputs, handles, topk_idx, topk_weights, rank, rank_masks=None):

@@ -66,7 +66,6 @@ def nvrtc_options(target: Target, cuda_src: str) -> List[str]:
         opts.append("-DEPCOMM_NVSHMEM_INLINE=1" if target.link_mode == "inline"
                     else "-DEPCOMM_NVSHMEM_LIB=1")
     opts.append(f"-DEPCOMM_FEATURE_SM{target.feature}=1")
-    opts.append(f"-DEPCOMM_ARCH={target.arch_sm}")
     if target.lineinfo:
         opts.append("-lineinfo")
     opts += [f"-D{k}={v}" for k, v in target.defines]

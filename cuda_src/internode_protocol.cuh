@@ -1,40 +1,39 @@
-// Shared pieces of the internode kernels (cuda_src/internode.cu has the protocol): constants, the
-// RDMA buffer header, the Params structs mirrored in epcomm/ops/internode_plan.py, the start / end
-// bookkeeping of every kernel and the record layout.
-//
-// Reused, not copied: intranode::Guard / wait_at_least (bounded waits that poll a failure flag in
-// device memory, never the host-mapped ErrorRecord), intranode::kernel_begin (peer table + epoch)
-// and the low-latency helpers for L2-only loads, warp copies and bf16 conversion. The header below
-// keeps the epoch and the failure flag at the offsets those helpers use (static_asserts).
+// Shared pieces of the internode kernels (protocol: cuda_src/README.md): constants, phases, the RDMA
+// buffer header and the Params structs (read by the host through epcomm.runtime.cuda_decls), the
+// start / end bookkeeping of every kernel and the record layout.
 #pragma once
 #include "common/nvshmem.cuh"
-#include "intranode_common.cuh"
-#include "low_latency_protocol.cuh"
+#include "common/arch.cuh"
+#include "common/bf16.cuh"
+#include "common/epoch.cuh"
+#include "common/limits.cuh"
+#include "common/ptx.cuh"
+#include "common/timeout.cuh"
 
 namespace epcomm {
 namespace internode {
 
-using intranode::Guard;
-using intranode::wait_at_least;
-
-constexpr int kThreads = 512;               // data kernels
+constexpr int kThreads = kDataThreads;      // data kernels
 constexpr int kWarps = kThreads / 32;
 constexpr int kNotifyThreads = 1024;
 constexpr int kMaxChunks = 1024;            // signal words per source node (dispatch and combine)
-constexpr int kMaxTopk = 32;                // weights a combine row holds, whatever K is
 constexpr int kMaxLocalExperts = 1024;      // expert counts a notify row holds
 constexpr int kNotifyHead = 8;              // header ints of a notify row
 
-// Phases recorded in ErrorRecord.phase (named by PHASES in epcomm/ops/internode_plan.py, same order).
+// Phases recorded in ErrorRecord.phase; each comment is the phase's name in the host's errors
+// (epcomm.ops.internode_plan.PHASES reads them).
 enum Phase : int {
     kPhasePeerBusy = 0,        // a rank has not finished its previous internode kernel
-    kPhaseCounts = 1,          // notify: waiting for a rank's counts
-    kPhaseRecords = 2,         // dispatch: waiting for a chunk of a source's token records
-    kPhasePushes = 3,          // combine: waiting for a local rank's pushed rows
-    kPhasePartials = 4,        // combine: waiting for a node's partial sums
+    kPhaseCounts = 1,          // waiting for a rank's token counts
+    kPhaseRecords = 2,         // waiting for a chunk of a source rank's token records
+    kPhasePushes = 3,          // waiting for a local rank's pushed rows
+    kPhasePartials = 4,        // waiting for a node's partial sums
     kPhaseWorstTokens = 5,     // more rows received than num_worst_tokens
     kPhaseConfigMismatch = 6,  // ranks use different chunk counts, expert counts or token formats
-    kPhaseCapacity = 7         // the largest N of all ranks exceeds the capacity of a data kernel
+                               // (Config.num_sms, num_experts, hidden, FP8 or top-k differ, or
+                               // topk_weights given to combine on some ranks only)
+    kPhaseCapacity = 7         // the largest N of all ranks does not fit the RDMA buffer (internode
+                               // calls are one-shot: raise num_rdma_bytes; Config.get_rdma_buffer_size_hint)
 };
 
 // Header of every rank's RDMA buffer (same offsets everywhere), then the data region that notify,
@@ -53,8 +52,6 @@ struct Header {
     static constexpr long long kPartialSignal = kRecordSignal + 8LL * kNodes * kMaxChunks;    // u64[M][chunks]
     static constexpr long long kBytes = (kPartialSignal + 8LL * kNodes * kMaxChunks + 255) / 256 * 256;
 };
-static_assert(Header<1, 1>::kFailed == intranode::Header<1>::kFailed, "Guard::make finds the flag here");
-static_assert(Header<1, 1>::kEpoch == intranode::Header<1>::kEpoch, "kernel_begin reads the epoch here");
 
 struct NotifyParams {
     const bool *is_token_in_rank;        // [N, R]
@@ -77,7 +74,6 @@ struct NotifyParams {
     int num_topk, num_scales, row_bytes;  // the data kernel's token format (checked equal on all ranks)
     int rank, op;
 };
-static_assert(sizeof(NotifyParams) == 168, "NotifyParams is mirrored in epcomm/ops/internode_plan.py");
 
 struct DispatchParams {
     const void *x;                       // [N, H] bf16 or e4m3
@@ -104,7 +100,6 @@ struct DispatchParams {
     int capacity, record_bytes, num_tokens, num_chunks, tokens_per_chunk, num_topk;
     int num_local_experts, num_out_rows, rank, op;
 };
-static_assert(sizeof(DispatchParams) == 216, "DispatchParams is mirrored in epcomm/ops/internode_plan.py");
 
 struct CombineParams {
     const void *x;                       // [M_rows, H] bf16, this rank's dispatch row order
@@ -123,9 +118,8 @@ struct CombineParams {
     long long push_offset;               // pushed rows [L][M][capacity] (rows hold kMaxTopk weights)
     long long partial_stage_offset;      // partial sums [M][capacity] (source of the puts)
     long long partial_recv_offset;       // partial sums [M][capacity] (slot [reducing node][index])
-    int capacity, push_bytes, partial_bytes, chunk_records, num_tokens, num_chunks, num_topk, rank, op, pad_;
+    int capacity, push_bytes, partial_bytes, chunk_records, num_tokens, num_chunks, num_topk, rank, op;
 };
-static_assert(sizeof(CombineParams) == 176, "CombineParams is mirrored in epcomm/ops/internode_plan.py");
 
 __device__ __forceinline__ unsigned long long *signal_word(char *base, long long region, int index) {
     return reinterpret_cast<unsigned long long *>(base + region) + index;
@@ -147,9 +141,11 @@ template <int kRanks, int kLocal, class Params>
 __device__ __forceinline__ Call begin_call(char **peers, const Params &p) {
     static_assert(kRanks % kLocal == 0, "ranks per node must divide the ranks");
     static_assert(kLocal <= 32, "a lane per local rank (presence bits, waits) assumes <= 32 ranks per node");
-    const unsigned long long epoch = intranode::kernel_begin<kRanks>(peers, p.peer_bases, p.rank);
+    using H = Header<kRanks, kRanks / kLocal>;
+    const unsigned long long epoch = begin_epoch<kRanks>(peers, p.peer_bases, p.rank, H::kEpoch);
     char *base = peers[p.rank];
-    return Call{base, epoch, Guard::make(base, p.err, p.timeout_ns, p.op, p.rank), p.rank, p.rank / kLocal,
+    auto *failed = reinterpret_cast<unsigned int *>(base + H::kFailed);
+    return Call{base, epoch, Guard::make(failed, p.err, p.timeout_ns, p.op, p.rank), p.rank, p.rank / kLocal,
                 p.rank % kLocal};
 }
 

@@ -1,33 +1,38 @@
-// Shared pieces of the intranode kernels (cuda_src/intranode.cu has the protocol): constants,
-// the NVL buffer header, the Params structs mirrored in epcomm/ops/intranode_plan.py, signal
-// helpers and bounded waits.
+// Shared pieces of the intranode kernels (protocol: cuda_src/README.md): constants, phases, the NVL
+// buffer header and the Params structs (read by the host through epcomm.runtime.cuda_decls), signal
+// helpers, the chunk loop of the sending blocks.
 #pragma once
 #include "common/arch.cuh"
+#include "common/bf16.cuh"
+#include "common/epoch.cuh"
+#include "common/limits.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
+#include "common/trace.cuh"
 
 namespace epcomm {
 namespace intranode {
 
-constexpr int kThreads = 512;              // data kernels
+constexpr int kThreads = kDataThreads;     // data kernels
 constexpr int kWarps = kThreads / 32;      // = sender warps per chunk = ready count of a chunk
 constexpr int kNotifyThreads = 1024;
 constexpr int kMaxChunks = 1024;           // G <= kMaxChunks (signal arrays are sized by it)
 constexpr int kParts = 8;                  // a received chunk is claimed in kParts pieces
 // 16-byte loads a lane keeps in flight when copying a row (per warp and rank in the reduction).
-// Copies are latency-bound per SM: 8 (16 warps x 8 x 512 B = 56 KiB in flight) measured ~54 GB/s
-// per sending SM on H200 (bench/NOTES.md), so 16 doubles the bytes in flight for small SM counts.
+// Copies are latency-bound per SM, so more bytes in flight help most at small SM counts.
 constexpr int kMaxUnroll = 16;
 
-// Phases recorded in ErrorRecord.phase (named by PHASES in epcomm/ops/intranode_plan.py, same order).
+// Phases recorded in ErrorRecord.phase; each comment is the phase's name in the host's errors
+// (epcomm.ops.intranode_plan.PHASES reads them).
 enum Phase : int {
-    kPhasePeerBusy = 0,      // waiting for a peer to finish its previous intranode kernel
-    kPhaseCounts = 1,        // notify: waiting for a peer's counts
-    kPhaseData = 2,          // waiting for a peer's rows of a chunk
-    kPhaseRingSpace = 3,     // waiting for a peer to consume rows that a new chunk overwrites
-    kPhaseChunkTooBig = 4,   // a chunk has more rows than the receive ring
-    kPhaseWorstTokens = 5,   // more rows received than num_worst_tokens
-    kPhaseConfigMismatch = 6 // ranks use different chunk counts or expert counts
+    kPhasePeerBusy = 0,       // peer still busy with its previous intranode kernel
+    kPhaseCounts = 1,         // waiting for the peer's token counts
+    kPhaseData = 2,           // waiting for the peer's rows
+    kPhaseRingSpace = 3,      // waiting for the peer to free receive-ring space
+    kPhaseChunkTooBig = 4,    // a chunk has more rows than the receive ring (num_nvl_bytes too small)
+    kPhaseWorstTokens = 5,    // more rows received than num_worst_tokens
+    kPhaseConfigMismatch = 6  // ranks use different chunk counts or expert counts (Config.num_sms or
+                              // num_experts differ)
 };
 
 // Header of every rank's NVL buffer, then (dispatch only) the notify area, then the rings.
@@ -58,10 +63,10 @@ struct NotifyParams {
     unsigned long long timeout_ns;
     long long notify_offset;         // bytes from the buffer base to the notify area
     int num_tokens, num_chunks, tokens_per_chunk, num_local_experts;
+    int notify_ints;                 // ints one source writes into each rank's notify area
     int rank, op;
-    unsigned long long *trace;       // [blocks, kTraceWarps, kTraceSlots] when built with EPCOMM_INTRANODE_TRACE
+    unsigned long long *trace;       // [blocks, kTraceWarps, kTraceSlots] in EPCOMM_TRACE builds, else null
 };
-static_assert(sizeof(NotifyParams) == 112, "NotifyParams is mirrored in epcomm/ops/intranode_plan.py");
 
 struct DispatchParams {
     const void *x;                   // [N, H] bf16 or e4m3
@@ -83,10 +88,9 @@ struct DispatchParams {
     unsigned long long timeout_ns;
     long long staging_offset;
     int ring_rows, record_bytes, num_tokens, num_chunks, tokens_per_chunk, num_topk;
-    int num_local_experts, num_out_rows, rank, num_send_blocks, op, pad_;
+    int num_local_experts, num_out_rows, rank, num_send_blocks, op;
     unsigned long long *trace;
 };
-static_assert(sizeof(DispatchParams) == 208, "DispatchParams is mirrored in epcomm/ops/intranode_plan.py");
 
 struct CombineParams {
     const void *x;                   // [M, H] bf16, this rank's dispatch row order
@@ -100,22 +104,16 @@ struct CombineParams {
     unsigned long long timeout_ns;
     long long staging_offset;
     int ring_rows, record_bytes, num_tokens, num_chunks, tokens_per_chunk, num_topk;
-    int rank, num_send_blocks, op, pad_;
+    int rank, num_send_blocks, op;
     unsigned long long *trace;
 };
-static_assert(sizeof(CombineParams) == 160, "CombineParams is mirrored in epcomm/ops/intranode_plan.py");
 
-// ---- trace (profiling builds only: -DEPCOMM_INTRANODE_TRACE, see epcomm/ops/intranode.py) -----
-// Lane 0 of every warp writes %globaltimer stamps / sums into its row of Params::trace; the slot
-// meanings are named by TRACE_SLOTS in epcomm/ops/intranode_plan.py. Compiled out otherwise.
-#ifdef EPCOMM_INTRANODE_TRACE
-constexpr bool kTrace = true;
-#else
-constexpr bool kTrace = false;
-#endif
+// ---- trace (profiling builds: common/trace.cuh) -------------------------------------------------
+// Rows [block][kTraceWarps][kTraceSlots] of Params::trace; the slot meanings are named by
+// TRACE_SLOTS in epcomm/ops/intranode_plan.py.
 constexpr int kTraceWarps = 32;
 enum TraceSlot : int {
-    kTrStart = 0,     // warp start (after kernel_begin)
+    kTrStart = 0,     // warp start (after begin_epoch)
     kTrIdle = 1,      // peers idle (senders) / notify: counts published
     kTrSent = 2,      // send / push loop done
     kTrFirstData = 3, // first received chunk ready
@@ -128,16 +126,15 @@ enum TraceSlot : int {
     kTrChunks = 10,   // chunks this warp's block sent (send_chunks)
     kTraceSlots = 11
 };
-__device__ __forceinline__ unsigned long long *trace_row(unsigned long long *trace) {
-    return trace + ((long long)blockIdx.x * kTraceWarps + (threadIdx.x >> 5)) * kTraceSlots;
-}
 __device__ __forceinline__ void trace_set(unsigned long long *trace, int slot, unsigned long long v) {
-    if (kTrace && trace != nullptr && (threadIdx.x & 31) == 0) trace_row(trace)[slot] = v;
+    TraceRow(trace, kTraceWarps, kTraceSlots).set(slot, v);
 }
 __device__ __forceinline__ void trace_add(unsigned long long *trace, int slot, unsigned long long v) {
-    if (kTrace && trace != nullptr && (threadIdx.x & 31) == 0) trace_row(trace)[slot] += v;
+    TraceRow(trace, kTraceWarps, kTraceSlots).add(slot, v);
 }
-__device__ __forceinline__ unsigned long long trace_now() { return kTrace ? globaltimer_ns() : 0ull; }
+__device__ __forceinline__ void trace_first(unsigned long long *trace, int slot, unsigned long long v) {
+    TraceRow(trace, kTraceWarps, kTraceSlots).first(slot, v);
+}
 
 // ---- small helpers ---------------------------------------------------------------------------
 __device__ __forceinline__ void red_add_relaxed_sys(int *p, int v) {
@@ -149,43 +146,12 @@ __device__ __forceinline__ unsigned int atomic_add_acq_rel_cta(unsigned int *sha
     asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v) : "memory");
     return old;
 }
-// A warp-wide claim: lane 0 takes the counter's next value, every lane gets it.
-__device__ __forceinline__ unsigned int warp_claim(unsigned int *counter) {
-    unsigned int c = 0;
-    if (lane_id() == 0) c = atomicAdd(counter, 1u);
-    return __shfl_sync(0xffffffffu, c, 0);
-}
-// Rows that peers write while the kernel runs: L2 only, never a stale L1 line.
-__device__ __forceinline__ int4 ld_cg_v4(const int4 *p) {
-    int4 v;
-    asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ unsigned long long ld_volatile_u64(const void *p) {
-    return *static_cast<const volatile unsigned long long *>(p);
-}
-
-// Failure handling of the intranode kernels: epcomm::Guard (common/timeout.cuh: the host-mapped
-// ErrorRecord written once on failure, a sticky device-memory flag polled by the waits) with its
+// Failure handling of the intranode kernels: epcomm::Guard (common/timeout.cuh) with its sticky
 // flag in this rank's own NVL header.
-struct Guard : epcomm::Guard {
-    __device__ __forceinline__ static Guard make(const char *local_base, ErrorRecord *err,
-                                                 unsigned long long timeout_ns, int op, int rank) {
-        return Guard{epcomm::Guard::make(
-            reinterpret_cast<unsigned int *>(const_cast<char *>(local_base) + Header<1>::kFailed), err, timeout_ns, op,
-            rank)};
-    }
-};
-
-// Bounded waits for a value another GPU release-writes: poll with relaxed loads (an acquire load
-// per spin would invalidate the SM's L1 each time), then one acquire load of the same word
-// synchronises with the writer (a fence would also wait for this warp's own pending stores).
-// T: int or unsigned long long (the ptx.cuh overloads).
-template <class T>
-__device__ __forceinline__ bool wait_at_least(const Guard &guard, const T *p, T target, int peer, int phase) {
-    if (!guard.wait(peer, phase, [&] { return ld_relaxed_sys(p) >= target; })) return false;
-    return ld_acquire_sys(p) >= target;
+__device__ __forceinline__ Guard make_guard(const char *local_base, ErrorRecord *err, unsigned long long timeout_ns,
+                                            int op, int rank) {
+    return Guard::make(reinterpret_cast<unsigned int *>(const_cast<char *>(local_base) + Header<1>::kFailed), err,
+                       timeout_ns, op, rank);
 }
 
 template <int kRanks> __device__ __forceinline__ int *ready_ptr(char *base, int peer, int chunk) {
@@ -227,14 +193,6 @@ __device__ __forceinline__ void chunk_done(unsigned int *arrivals, char *const *
             if (j != rank) red_add_relaxed_sys(ready_ptr<kRanks>(peers[j], rank, g), kWarps);
     }
     __syncwarp();
-}
-
-// Every block loads the peer table into shared memory; returns this kernel's epoch.
-template <int kRanks>
-__device__ __forceinline__ unsigned long long kernel_begin(char **peers, const long long *peer_bases, int rank) {
-    for (int j = threadIdx.x; j < kRanks; j += blockDim.x) peers[j] = reinterpret_cast<char *>(peer_bases[j]);
-    __syncthreads();
-    return ld_volatile_u64(peers[rank] + Header<kRanks>::kEpoch) + 1;
 }
 
 // The last block to finish publishes the epoch locally and as `done` to every peer.
@@ -331,9 +289,9 @@ struct KernelStart {
 };
 template <int kRanks, class Params>
 __device__ __forceinline__ KernelStart data_kernel_begin(BlockShared<kRanks> &sh, const Params &p) {
-    sh.zero();   // kernel_begin's __syncthreads orders this before any use
-    const unsigned long long epoch = kernel_begin<kRanks>(sh.peers, p.peer_bases, p.rank);
-    const KernelStart start{epoch, Guard::make(sh.peers[p.rank], p.err, p.timeout_ns, p.op, p.rank)};
+    sh.zero();   // begin_epoch's __syncthreads orders this before any use
+    const unsigned long long epoch = begin_epoch<kRanks>(sh.peers, p.peer_bases, p.rank, Header<kRanks>::kEpoch);
+    const KernelStart start{epoch, make_guard(sh.peers[p.rank], p.err, p.timeout_ns, p.op, p.rank)};
     trace_set(p.trace, kTrStart, trace_now());
     return start;
 }
@@ -341,8 +299,8 @@ __device__ __forceinline__ KernelStart data_kernel_begin(BlockShared<kRanks> &sh
 // The chunk loop of a sending block (dispatch senders, combine pushers), per warp. Chunks go to the
 // sending blocks one at a time, in increasing order, from a rank-wide counter (claim_chunk), so a
 // block that moves rows faster takes more of them and all sending blocks run out within about one
-// chunk of each other. (A static chunk-to-block map left 80-110 us between the first and the last
-// sending block to finish, bench/NOTES.md run 3.) Rows still land where send_head puts them, and
+// chunk of each other (a static chunk-to-block map left the slowest block far behind). Rows still
+// land where send_head puts them, and
 // every chunk is signalled on its own, so the order in which chunks complete does not matter to the
 // receivers; increasing claims keep the ring-space waits deadlock-free (a chunk waits only for
 // chunks claimed before it). For each chunk g: wait until every peer consumed the rows that g
