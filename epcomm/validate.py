@@ -29,7 +29,7 @@ TOPK_IDX_DTYPE = torch.int64      # epcomm.topk_idx_t
 
 
 def _normal_index_dtype(topk_idx) -> torch.dtype:
-    """Normal mode (layout, dispatch) takes int32 top-k ids as well as topk_idx_t (issue 3); the
+    """Normal mode (layout, dispatch) takes int32 top-k ids as well as topk_idx_t; the
     kernels are specialised on the index type and recv_topk_idx keeps it."""
     return torch.int32 if getattr(topk_idx, "dtype", None) is torch.int32 else TOPK_IDX_DTYPE
 MAX_TOPK = cuda_decls.header("common/limits.cuh").constant("kMaxTopk")   # one kernel lane per slot

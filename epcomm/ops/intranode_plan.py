@@ -23,7 +23,7 @@ PARTS_PER_CHUNK = _DECLS.constant("kParts")
 MAX_TOPK = _DECLS.constant("kMaxTopk")
 
 # Chunks per sending block: more chunks = finer pipelining between the NVLink writes and the
-# receivers' copies (and a shorter tail), fewer = less signalling. See bench/NOTES.md "intranode".
+# receivers' copies (and a shorter tail), fewer = less signalling (chosen by the SM sweep).
 CHUNKS_PER_SEND_BLOCK = 8
 # Share of the SMs that send (dispatch) / push (combine); every block also receives once its
 # sends are done, so the rest only sets how early receiving starts.
