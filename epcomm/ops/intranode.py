@@ -173,7 +173,8 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 def _host_ints(gb, ints: torch.Tensor) -> List[int]:
     """The values of a device int32 tensor once the stream got there (a GPU failure recorded by
     then raises first: PeerTimeout / DeviceCheckFailed)."""
-    pinned = torch.empty(ints.shape, dtype=torch.int32, pin_memory=True)
+    # Named: frameworks set a CUDA default device, and only CPU tensors can be pinned.
+    pinned = torch.empty(ints.shape, dtype=torch.int32, device="cpu", pin_memory=True)
     pinned.copy_(ints, non_blocking=True)   # queued on gb.device's current stream
     torch.cuda.current_stream(gb.device_index).synchronize()
     gb.check_errors()

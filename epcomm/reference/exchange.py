@@ -19,7 +19,7 @@ def all_gather_rows(group, tensor: torch.Tensor, what: str = "tensor") -> List[t
     world = dist.get_world_size(group)
     rows, trailing = tensor.shape[0], tuple(tensor.shape[1:])
     row_bytes = math.prod(trailing) * tensor.element_size()
-    header = torch.tensor([rows, row_bytes], dtype=torch.int64)
+    header = torch.tensor([rows, row_bytes], dtype=torch.int64, device=tensor.device)
     headers = [torch.empty_like(header) for _ in range(world)]
     dist.all_gather(headers, header, group=group)
     counts = [int(h[0]) for h in headers]
@@ -27,8 +27,9 @@ def all_gather_rows(group, tensor: torch.Tensor, what: str = "tensor") -> List[t
         sizes = [int(h[1]) for h in headers]
         raise ValueError(f"ranks disagree on the row size of {what}: {sizes} bytes per row")
     if row_bytes == 0:
-        return [torch.empty((c, *trailing), dtype=tensor.dtype) for c in counts]
-    send = torch.zeros(max(max(counts), 1), row_bytes, dtype=torch.uint8)
+        return [torch.empty((c, *trailing), dtype=tensor.dtype, device=tensor.device)
+                for c in counts]
+    send = torch.zeros(max(max(counts), 1), row_bytes, dtype=torch.uint8, device=tensor.device)
     send[:rows] = tensor.contiguous().view(torch.uint8).reshape(rows, row_bytes)
     received = [torch.empty_like(send) for _ in range(world)]
     dist.all_gather(received, send, group=group)

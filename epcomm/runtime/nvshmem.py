@@ -171,7 +171,7 @@ def _make_context_current(device_index: int) -> None:
     """NVSHMEM binds to the current device's current context: make that torch's primary context."""
     import torch
     torch.cuda.set_device(device_index)
-    torch.zeros(1, device=torch.device("cuda", device_index))
+    torch.zeros(1, dtype=torch.uint8, device=torch.device("cuda", device_index))
 
 
 def _all_gather(group, obj) -> list:
