@@ -17,6 +17,8 @@ _LAZY = {"Buffer": "epcomm.buffer", "Config": "epcomm.config", "EventOverlap": "
 def __getattr__(name: str):
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name == "utils":
+        value = importlib.import_module("epcomm.utils")
     elif name == "topk_idx_t":
         import torch
         value = torch.int64     # dtype of topk_idx everywhere

@@ -401,6 +401,44 @@ class Buffer:
                 event = scope.finish((x, handle, topk_weights, bias), (combined_x, combined_topk_weights))
         return (*c.output((combined_x, combined_topk_weights)), event)
 
+    def _require_internode(self, op: str) -> None:
+        if self._backend is None:
+            raise BufferUnusable(f"{op}: the Buffer was destroyed")
+        if not self._internode:
+            raise ValueError(f"{op}: this Buffer's {self.group_size} ranks are one NVLink domain "
+                             f"(runtime.get_num_rdma_ranks() == 1): use Buffer.dispatch / "
+                             f"Buffer.combine, which pick the intranode kernels")
+
+    def internode_dispatch(self, x: Union[Tensor, FP8Pair], handle: Optional[Tuple] = None,
+                           num_tokens_per_rank: Optional[Tensor] = None,
+                           num_tokens_per_rdma_rank: Optional[Tensor] = None,
+                           is_token_in_rank: Optional[Tensor] = None,
+                           num_tokens_per_expert: Optional[Tensor] = None,
+                           topk_idx: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None,
+                           expert_alignment: int = 1, num_worst_tokens: int = 0,
+                           config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                           async_finish: bool = False, allocate_on_comm_stream: bool = False
+                           ) -> Tuple[Union[Tensor, FP8Pair], Optional[Tensor], Optional[Tensor],
+                                      Optional[List[int]], Optional[Tuple], EventOverlap]:
+        """`dispatch` on a Buffer whose group spans several NVLink domains (what `dispatch` runs
+        there); the same arguments and returns, the handle is the internode 10-tuple. On a
+        single-domain Buffer it raises ValueError."""
+        self._require_internode("Buffer.internode_dispatch")
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                             num_worst_tokens, config, previous_event, async_finish, allocate_on_comm_stream)
+
+    def internode_combine(self, x: Tensor, handle: Tuple, topk_weights: Optional[Tensor] = None,
+                          bias: Union[None, Tensor, Tuple[Tensor, Tensor]] = None,
+                          config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                          async_finish: bool = False, allocate_on_comm_stream: bool = False
+                          ) -> Tuple[Tensor, Optional[Tensor], EventOverlap]:
+        """`combine` on a Buffer whose group spans several NVLink domains (what `combine` runs there);
+        the same arguments and returns. On a single-domain Buffer it raises ValueError."""
+        self._require_internode("Buffer.internode_combine")
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
+
     # ---- low-latency mode ----------------------------------------------------------------------
     # Synchronous and hook calls run on the current stream (nothing to order, lowest latency);
     # async calls run on the comm stream after the current stream, like normal-mode calls.
