@@ -138,6 +138,7 @@ class Buffer:
         self._comm_stream = None if self._comm is None else self._comm.stream
         self._low_latency_ops = None   # epcomm.ops.low_latency, imported by the first low-latency call
         self._low_latency_fits = set()   # (T, H, E) whose layout fits num_rdma_bytes
+        self._intranode_fits = set()     # shapes of intranode calls that fit num_nvl_bytes
         self._handle_owner = object()   # marks the handles this Buffer returns (validate.Handle)
         self._normal_mode_problem = (
             "needs a Buffer with num_nvl_bytes > 0 (see Config.get_nvl_buffer_size_hint), this one has 0"
@@ -353,6 +354,8 @@ class Buffer:
                                       num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                                       num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                                       num_worst_tokens, self._handle_owner)
+        if not self._internode:
+            validate.intranode_fits(c, self.num_nvl_bytes, args, False, self._intranode_fits)
         if type(config) is not Config:
             config = c.config("config", config, None) or self.get_dispatch_config(self.group_size)
         scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
@@ -388,6 +391,9 @@ class Buffer:
         self._require_normal_mode(c)
         x, handle, topk_weights, bias = validate.combine_args(c, self._internode, x, handle, topk_weights, bias,
                                                               self._handle_owner)
+        if not self._internode:
+            validate.intranode_fits(c, self.num_nvl_bytes, (x, handle, topk_weights, bias), True,
+                                    self._intranode_fits)
         if type(config) is not Config:
             config = c.config("config", config, None) or self.get_combine_config(self.group_size)
         scope = None if previous_event is None and async_finish is False and allocate_on_comm_stream is False \
