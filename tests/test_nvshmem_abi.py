@@ -10,7 +10,7 @@ import re
 import pytest
 
 from epcomm.errors import NvshmemError
-from epcomm.runtime import nvshmem, status, toolchain
+from epcomm.runtime import compiler, nvshmem, status, toolchain
 
 
 def _headers_version():
@@ -42,11 +42,12 @@ _HEADERS = """
 
 
 def _layout_asserts(c_name, mirror, size_delta=0) -> str:
-    lines = [f'static_assert(sizeof({c_name}) == {ctypes.sizeof(mirror) + size_delta}, '
+    lines = [compiler.OFFSETOF_MACRO.rstrip("\n"),
+             f'static_assert(sizeof({c_name}) == {ctypes.sizeof(mirror) + size_delta}, '
              f'"sizeof {c_name}");']
     for field, *_ in mirror._fields_:
         offset = getattr(mirror, field).offset
-        lines.append(f'static_assert(__builtin_offsetof({c_name}, {field}) == {offset}, '
+        lines.append(f'static_assert(EPCOMM_OFFSETOF({c_name}, {field}) == {offset}, '
                      f'"offsetof {c_name}::{field}");')
     return "\n".join(lines)
 
