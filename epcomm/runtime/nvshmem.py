@@ -104,7 +104,7 @@ def _struct_version(struct, revision: int = 1) -> int:
 
 _SIGNATURES = {
     "nvshmemx_get_uniqueid": (ctypes.c_int, [ctypes.POINTER(UniqueId)]),
-    # The attr's layout depends on the library's version (init_layout): passed as an address.
+    # The attr's layout depends on the library's version (init_layout): any struct, by reference.
     "nvshmemx_set_attr_uniqueid_args": (ctypes.c_int, [ctypes.c_int, ctypes.c_int,
                                                        ctypes.POINTER(UniqueId), ctypes.c_void_p]),
     # nvshmemx_init_attr is a static inline calling nvshmemi_init_thread from libnvshmem_device.a;
@@ -284,9 +284,9 @@ class Nvshmem:
 
         attr = new_init_attr(library_version())
         # The attr keeps a pointer to uid: both stay alive (locals) until init returns.
-        _check(lib.nvshmemx_set_attr_uniqueid_args(rank, size, ctypes.byref(uid), ctypes.addressof(attr)),
+        _check(lib.nvshmemx_set_attr_uniqueid_args(rank, size, ctypes.byref(uid), ctypes.byref(attr)),
                "nvshmemx_set_attr_uniqueid_args")
-        _check(lib.nvshmemx_hostlib_init_attr(_INIT_WITH_UNIQUEID, ctypes.addressof(attr)),
+        _check(lib.nvshmemx_hostlib_init_attr(_INIT_WITH_UNIQUEID, ctypes.byref(attr)),
                f"nvshmemx_hostlib_init_attr (rank {rank} of {size}; NVSHMEM_DEBUG=INFO tells more)")
         world = cls(group, device_index, owns_world=True)
         if (world.my_pe, world.n_pes) != (rank, size):
