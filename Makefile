@@ -2,21 +2,30 @@
 PYTHON  ?= python3
 # The GPU machines forbid NVLink multicast; keep it off wherever epcomm runs GPU work.
 GPU_ENV := NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONPATH=$(CURDIR)
-# CPU CI installs: torch 2.13.0 (CPU wheel, served locally) and the CUDA 13 compile toolchain
-# (NVRTC, nvJitLink, headers, NVSHMEM) so every kernel is compiled and linked in the suite.
-DEPS    := torch==2.13.0 numpy pytest "cuda-bindings>=13,<14" cuda-pathfinder \
-           "nvidia-cuda-nvrtc>=13,<14" "nvidia-nvjitlink>=13,<14" "nvidia-cuda-runtime>=13,<14" \
-           "nvidia-cuda-cccl>=13,<14" "nvidia-nvshmem-cu13==3.4.5"
+# `make deps` installs only what the suite lacks, in the CUDA flavour already installed (CUDA 13
+# when there is none): torch 2.13.0 (CPU wheel), NVRTC, nvJitLink, headers and NVSHMEM 3.4.5 (the
+# GPU image's), so every kernel is compiled and linked in the suite (.ci/deps.py).
+FLAVOURS_DIR ?= $(CURDIR)/build/flavours
 
-.PHONY: test test-gpu bench deps precompile clean
+.PHONY: test test-gpu test-flavours bench deps precompile nvshmem-carry clean
 
 deps:
-	@$(PYTHON) -c "import torch, numpy, pytest, cuda.bindings.nvrtc, cuda.bindings.nvjitlink; \
-	  import nvidia.nvshmem, nvidia.cu13" 2>/dev/null \
-	  || $(PYTHON) -m pip install -q $(DEPS)
+	@missing="$$($(PYTHON) .ci/deps.py missing)"; \
+	  if [ -n "$$missing" ]; then echo "make deps ($$($(PYTHON) .ci/deps.py flavour)): $$missing"; \
+	    eval $(PYTHON) -m pip install -q $$missing; fi
 
 test: deps
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -rs tests
+
+# Compile, link and ABI tests against CUDA 12 + NVSHMEM 3.8 and CUDA 13 + NVSHMEM 3.8 (venvs and
+# unpacked NVSHMEM releases under $(FLAVOURS_DIR); the shared environment is left as it is).
+test-flavours: deps
+	$(PYTHON) .ci/flavours.py $(FLAVOURS_DIR)
+
+# NVSHMEM 3.8 (headers, host library, bootstrap plugin, device archive) as a tarball to carry to
+# the GPU machine: .nv38/ is git-ignored (/.nv38/ in .git/info/exclude).
+nvshmem-carry:
+	$(PYTHON) .ci/nvshmem_release.py pack 3.8.0 cu13 .nv38/nvshmem-cu13-3.8.0.tar.xz
 
 precompile: deps
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m epcomm.jit --precompile --arch sm_80,sm_90

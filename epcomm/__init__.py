@@ -19,6 +19,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_LAZY[name]), name)
     elif name == "fp8":           # epcomm.fp8.per_token_cast / per_token_cast_back
         value = importlib.import_module("epcomm.fp8")
+    elif name == "utils":
+        value = importlib.import_module("epcomm.utils")
     elif name == "topk_idx_t":
         import torch
         value = torch.int64     # dtype of topk_idx everywhere

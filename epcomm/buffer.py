@@ -187,6 +187,7 @@ class Buffer:
         self._low_latency_checked = False   # the mode check passed (see _low_latency)
         self._low_latency_fits = set()   # (T, H, E) whose layout fits num_rdma_bytes
         self._low_latency_agreed = set()   # argument sets checked across ranks (_agreed_low_latency)
+        self._intranode_fits = set()     # shapes of intranode calls that fit num_nvl_bytes
         self._handle_owner = object()   # marks the handles this Buffer returns (validate.Handle)
         self._normal_mode_problem = (
             "needs a Buffer with num_nvl_bytes > 0 (see Config.get_nvl_buffer_size_hint), this one has 0"
@@ -458,6 +459,8 @@ class Buffer:
                                       num_worst_tokens, self._handle_owner)
         if args[2] is not None and not validate.is_owned(handle, self._handle_owner):
             validate.handle_routing(c, args[2], self._internode, self.rank, self._backend.num_local_ranks)
+        if not self._internode:
+            validate.intranode_fits(c, self.num_nvl_bytes, args, False, self._intranode_fits)
         if type(config) is not Config:
             config = c.config("config", config, None) or self.get_dispatch_config(self.group_size)
         r, event = self._run(c, self._run_dispatch, (c, args, config), previous_event, async_finish,
@@ -497,11 +500,52 @@ class Buffer:
                                                               self._handle_owner)
         if not validate.is_owned(handle, self._handle_owner):
             validate.handle_routing(c, handle, self._internode, self.rank, self._backend.num_local_ranks)
+        if not self._internode:
+            validate.intranode_fits(c, self.num_nvl_bytes, (x, handle, topk_weights, bias), True,
+                                    self._intranode_fits)
         if type(config) is not Config:
             config = c.config("config", config, None) or self.get_combine_config(self.group_size)
         combined, event = self._run(c, self._backend.combine, (x, handle, topk_weights, bias, config),
                                     previous_event, async_finish, allocate_on_comm_stream)
         return (*c.output(tuple(combined)), event)
+
+    def _require_internode(self, op: str) -> None:
+        if self._backend is None:
+            raise BufferUnusable(f"{op}: the Buffer was destroyed")
+        if not self._internode:
+            raise ValueError(f"{op}: this Buffer's {self.group_size} ranks are one NVLink domain "
+                             f"(runtime.get_num_rdma_ranks() == 1): use Buffer.dispatch / "
+                             f"Buffer.combine, which pick the intranode kernels")
+
+    def internode_dispatch(self, x: Union[Tensor, FP8Pair], handle: Optional[Tuple] = None,
+                           num_tokens_per_rank: Optional[Tensor] = None,
+                           num_tokens_per_rdma_rank: Optional[Tensor] = None,
+                           is_token_in_rank: Optional[Tensor] = None,
+                           num_tokens_per_expert: Optional[Tensor] = None,
+                           topk_idx: Optional[Tensor] = None, topk_weights: Optional[Tensor] = None,
+                           expert_alignment: int = 1, num_worst_tokens: int = 0,
+                           config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                           async_finish: bool = False, allocate_on_comm_stream: bool = False
+                           ) -> Tuple[Union[Tensor, FP8Pair], Optional[Tensor], Optional[Tensor],
+                                      Optional[List[int]], Optional[Tuple], EventOverlap]:
+        """`dispatch` on a Buffer whose group spans several NVLink domains (what `dispatch` runs
+        there); the same arguments and returns, the handle is the internode 10-tuple. On a
+        single-domain Buffer it raises ValueError."""
+        self._require_internode("Buffer.internode_dispatch")
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                             num_worst_tokens, config, previous_event, async_finish, allocate_on_comm_stream)
+
+    def internode_combine(self, x: Tensor, handle: Tuple, topk_weights: Optional[Tensor] = None,
+                          bias: Union[None, Tensor, Tuple[Tensor, Tensor]] = None,
+                          config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                          async_finish: bool = False, allocate_on_comm_stream: bool = False
+                          ) -> Tuple[Tensor, Optional[Tensor], EventOverlap]:
+        """`combine` on a Buffer whose group spans several NVLink domains (what `combine` runs there);
+        the same arguments and returns. On a single-domain Buffer it raises ValueError."""
+        self._require_internode("Buffer.internode_combine")
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
 
     # ---- low-latency mode ----------------------------------------------------------------------
     # Synchronous and hook calls run on the current stream (nothing to order, lowest latency);

@@ -1,4 +1,5 @@
-"""`EventOverlap`: what normal-mode and low-latency calls return as their `event`."""
+"""`EventOverlap`: what normal-mode and low-latency calls return as their `event`; `EventHandle`:
+DeepEP's event recorded on the current stream (what callers wrap in an EventOverlap themselves)."""
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
@@ -53,3 +54,32 @@ class EventOverlap:
     def __repr__(self) -> str:
         kept = 0 if self.extra_tensors is None else len(self.extra_tensors)
         return f"EventOverlap(event={self.event!r}, extra_tensors=<{kept} kept>)"
+
+
+class EventHandle:
+    """DeepEP's `EventHandle()`: an event recorded on `torch.cuda.current_stream()` when it is made.
+    Without CUDA (the CPU backend, whose calls are all synchronous) there is nothing to record and
+    waiting on it is a no-op.
+
+    Usage: `EventOverlap(EventHandle())` as a previous_event, or `handle.current_stream_wait()`."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        import torch
+        self.event = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def current_stream_wait(self) -> None:
+        """Make `torch.cuda.current_stream()` wait for the event."""
+        self.wait(None)
+
+    def wait(self, stream=None) -> None:
+        """Make `stream` (None: the current stream) wait for the event, as torch.cuda.Event.wait."""
+        if self.event is not None:
+            self.event.wait(stream)
+
+    def __repr__(self) -> str:
+        return f"EventHandle(event={self.event!r})"

@@ -133,7 +133,7 @@ class GpuBackend(Backend):
             if not isinstance(offset, int) or not 0 <= offset <= buf.nbytes:
                 raise ValueError(f"get_local_buffer_tensor: offset {offset!r} is outside the "
                                  f"{what.upper()} buffer of {buf.nbytes} B")
-            size = ((buf.nbytes - offset) // torch.empty((), dtype=dtype).element_size(),)
+            size = ((buf.nbytes - offset) // dtype.itemsize,)
         return buf.view(dtype, size, offset)
 
     def check_errors(self) -> None:

@@ -24,6 +24,7 @@ import torch
 from .config import Config
 from .runtime import cuda_decls
 from .event import EventOverlap
+from .ops import intranode_plan
 
 TOPK_IDX_DTYPE = torch.int64      # epcomm.topk_idx_t
 
@@ -494,6 +495,42 @@ def combine_args(c: Call, internode: bool, x, handle, topk_weights, bias, owner=
     biases = (c.optional_tensor(names[0], biases[0], BF16, (num_tokens, hidden), "[num_tokens, hidden]"),
               c.optional_tensor(names[1], biases[1], BF16, (num_tokens, hidden), "[num_tokens, hidden]"))
     return x, handle, topk_weights, biases
+
+
+def intranode_fits(c: Call, num_nvl_bytes: int, args: tuple, combine: bool, passed: set) -> None:
+    """The NVL buffer must hold the intranode kernels' signal header and one record per peer: a
+    rule on the sizes alone, checked here for both backends so that what a CPU run accepts the
+    GPU accepts too. args: dispatch_args' or combine_args' result; `passed` remembers the shapes
+    that fit (the common path is one set lookup)."""
+    if combine:
+        x, _, topk_weights, _ = args
+        row_bytes, num_scales, fresh = x.shape[1] * 2, 0, False
+        num_topk = 0 if topk_weights is None else topk_weights.shape[1]
+        num_local_experts = 0
+    else:
+        x, x_scales, handle = args[0], args[1], args[2]
+        fresh = handle is None
+        row_bytes = x.shape[1] * x.element_size()
+        num_scales = 0 if x_scales is None else x_scales.shape[1]
+        num_topk = 0 if not fresh or args[7] is None else args[7].shape[1]
+        num_local_experts = args[6].shape[0] // c.num_ranks if fresh else 0
+    key = (combine, row_bytes, num_scales, num_topk, num_local_experts, fresh)
+    if key in passed:
+        return
+    r = c.num_ranks
+    header = intranode_plan.header_bytes(r)
+    if header > num_nvl_bytes:
+        raise c.error("num_nvl_bytes", f"(the Buffer's, {num_nvl_bytes}) is smaller than the {header}-byte "
+                                       f"signal header of {r} ranks (Config.get_nvl_buffer_size_hint)")
+    if combine:
+        staging, record = (intranode_plan.combine_staging_offset(r),
+                           intranode_plan.combine_record_bytes(row_bytes, num_topk))
+    else:
+        staging = intranode_plan.dispatch_staging_offset(r, num_local_experts) if fresh \
+            else intranode_plan.combine_staging_offset(r)
+        record = intranode_plan.dispatch_record_bytes(row_bytes, num_scales, num_topk)
+    intranode_plan.ring_rows(num_nvl_bytes, staging, record, r, c.op)
+    passed.add(key)
 
 
 # ---- low-latency mode --------------------------------------------------------------------------

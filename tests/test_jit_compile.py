@@ -20,10 +20,12 @@ TARGETS = [(80, 80), (90, 90), (90, 80)]     # (compile target, feature set)
 
 
 def cubin_target(cubin: bytes) -> int:
-    """The SM a cubin was built for (ELF e_machine EM_CUDA, SM in e_flags bits 8-15)."""
+    """The SM a cubin was built for (ELF e_machine EM_CUDA). Where e_flags keeps it depends on the
+    CUDA ELF ABI version (e_ident[8]): bits 0-7 up to version 7 (CUDA 12), bits 8-15 from 8 (CUDA 13)."""
     assert cubin[:4] == b"\x7fELF", "not an ELF cubin"
     assert struct.unpack_from("<H", cubin, 18)[0] == 190, "ELF machine is not EM_CUDA"
-    return (struct.unpack_from("<I", cubin, 48)[0] >> 8) & 0xFF
+    flags = struct.unpack_from("<I", cubin, 48)[0]
+    return (flags >> 8) & 0xFF if cubin[8] >= 8 else flags & 0xFF
 
 
 @pytest.fixture(autouse=True)

@@ -12,9 +12,11 @@ HEAVY = ("cuda.bindings.nvrtc", "cuda.bindings.nvjitlink")
 
 
 def loaded_after(statement: str) -> dict:
-    code = (f"import sys, time\nt = time.perf_counter()\n{statement}\n"
+    # Modules already loaded at start-up do not count (cuda-bindings 12's .pth imports `cuda`).
+    code = (f"import sys, time\nbefore = set(sys.modules)\nt = time.perf_counter()\n{statement}\n"
             "import json\nmaps = open('/proc/self/maps').read()\n"
-            "print(json.dumps({'modules': sorted(sys.modules), 'seconds': time.perf_counter() - t,"
+            "print(json.dumps({'modules': sorted(set(sys.modules) - before), "
+            "'seconds': time.perf_counter() - t,"
             " 'libs': [n for n in ('libcuda.so', 'libnvrtc', 'libnvJitLink') if n in maps]}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)

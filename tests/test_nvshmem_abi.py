@@ -5,20 +5,34 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 
 import pytest
 
 from epcomm.errors import NvshmemError
-from epcomm.runtime import nvshmem, status, toolchain
+from epcomm.runtime import compiler, nvshmem, status, toolchain
 
-# (C type name, ctypes mirror) for every struct epcomm shares with C.
-MIRRORS = [
-    ("nvshmemx_uniqueid_t", nvshmem.UniqueId),
-    ("nvshmemx_uniqueid_args_t", nvshmem.UniqueIdArgs),
-    ("nvshmemx_init_args_t", nvshmem.InitArgs),
-    ("nvshmemx_init_attr_t", nvshmem.InitAttr),
-    ("epcomm::ErrorRecord", status.ErrorRecord),
-]
+
+def _headers_version():
+    version = toolchain.nvshmem_version()
+    if version is None:
+        pytest.skip("NVSHMEM headers not installed here")
+    return version
+
+
+def _mirrors(version):
+    """(C type name, ctypes mirror) for every struct epcomm shares with C, for NVSHMEM `version`:
+    the init structs the library gets are the ones init_layout picks for it."""
+    attr, revision = nvshmem.init_layout(version)
+    mirrors = [("nvshmemx_uniqueid_t", nvshmem.UniqueId),
+               ("nvshmemx_uniqueid_args_t", nvshmem.UniqueIdArgs),
+               ("nvshmemx_init_args_t", attr._fields_[2][1]),
+               ("nvshmemx_init_attr_t", attr),
+               ("epcomm::ErrorRecord", status.ErrorRecord)]
+    if revision >= 2:   # these headers keep the v1 struct too: its mirror must still match
+        mirrors.append(("nvshmemx_init_args_v1", nvshmem.InitArgsV1))
+    return mirrors
+
 
 _HEADERS = """
 #include <bootstrap_device_host/nvshmem_uniqueid.h>
@@ -28,11 +42,12 @@ _HEADERS = """
 
 
 def _layout_asserts(c_name, mirror, size_delta=0) -> str:
-    lines = [f'static_assert(sizeof({c_name}) == {ctypes.sizeof(mirror) + size_delta}, '
+    lines = [compiler.OFFSETOF_MACRO.rstrip("\n"),
+             f'static_assert(sizeof({c_name}) == {ctypes.sizeof(mirror) + size_delta}, '
              f'"sizeof {c_name}");']
     for field, *_ in mirror._fields_:
         offset = getattr(mirror, field).offset
-        lines.append(f'static_assert(__builtin_offsetof({c_name}, {field}) == {offset}, '
+        lines.append(f'static_assert(EPCOMM_OFFSETOF({c_name}, {field}) == {offset}, '
                      f'"offsetof {c_name}::{field}");')
     return "\n".join(lines)
 
@@ -59,14 +74,38 @@ def _nvrtc_compile(source: str) -> tuple:
 
 
 def test_ctypes_layouts_match_headers():
-    source = _HEADERS + "\n".join(_layout_asserts(c, m) for c, m in MIRRORS)
+    source = _HEADERS + "\n".join(_layout_asserts(c, m) for c, m in _mirrors(_headers_version()))
     ok, log = _nvrtc_compile(source)
     assert ok, log
 
 
+def test_init_layout_choice_matches_the_headers_typedef():
+    """The headers name the struct revision nvshmemx_init_attr_t is: the version rule agrees."""
+    version = _headers_version()
+    text = (toolchain.nvshmem_home() / "include" / "device_host" / "nvshmem_types.h").read_text()
+    typedefs = re.findall(r"typedef\s+nvshmemx_init_attr_v(\d)\s+nvshmemx_init_attr_t\s*;", text)
+    assert len(typedefs) == 1, typedefs
+    assert nvshmem.init_layout(version)[1] == int(typedefs[0]), version
+
+
+def test_init_layout_by_version():
+    assert nvshmem.init_layout((3, 4, 5)) == (nvshmem.InitAttrV1, 1)
+    for version in ((3, 5, 19), (3, 6, 5), (3, 7, 2), (3, 8, 0), (4, 0, 0)):
+        assert nvshmem.init_layout(version) == (nvshmem.InitAttrV2, 2)
+    with pytest.raises(NvshmemError, match="NVSHMEM 3.3.24 is too old"):
+        nvshmem.init_layout((3, 3, 24))
+    v2 = nvshmem.new_init_attr((3, 8, 0))
+    assert (v2.version, v2.args.version, v2.args.uid_args.version) == ((2 << 16) + 144, (2 << 16) + 128, 65560)
+    assert v2.args.cuda_device_id == -1 and v2.args.uid_args.myrank == v2.args.uid_args.nranks == -1
+    assert nvshmem.InitArgsV2.cuda_device_id.offset == 32 and nvshmem.InitArgsV2.content.offset == 36
+    v1 = nvshmem.new_init_attr((3, 4, 5))
+    assert (v1.version, v1.args.version) == (65680, 65664)
+
+
 def test_layout_check_detects_a_wrong_size():
     # The check above can fail: the same unit with one size off by 8 must not compile.
-    source = _HEADERS + _layout_asserts("nvshmemx_init_attr_t", nvshmem.InitAttr, size_delta=8)
+    attr = nvshmem.init_layout(_headers_version())[0]
+    source = _HEADERS + _layout_asserts("nvshmemx_init_attr_t", attr, size_delta=8)
     ok, log = _nvrtc_compile(source)
     assert not ok and "sizeof nvshmemx_init_attr_t" in log
 
@@ -75,8 +114,9 @@ def test_struct_versions_follow_the_initializer_convention():
     # (1 << 16) + sizeof, as NVSHMEMX_*_INITIALIZER write them (platform.md (a)).
     assert nvshmem._struct_version(nvshmem.UniqueId) == 65664
     assert nvshmem._struct_version(nvshmem.UniqueIdArgs) == 65560
-    assert nvshmem._struct_version(nvshmem.InitArgs) == 65664
-    assert nvshmem._struct_version(nvshmem.InitAttr) == 65680
+    assert nvshmem._struct_version(nvshmem.InitArgsV1) == 65664
+    assert nvshmem._struct_version(nvshmem.InitAttrV1) == 65680
+    assert nvshmem._struct_version(nvshmem.InitAttrV2, 2) == (2 << 16) + 144
 
 
 # ---- the library, without a GPU -------------------------------------------------------------------

@@ -43,18 +43,37 @@ __constant__ nvshmemi_version_t nvshmemi_device_lib_version_d = {
 #else
 // ABI shim: libnvshmem_device.a was built by nvcc with glibc's uint64_t = unsigned long (mangled
 // 'm'); under NVRTC libcu++'s uint64_t is unsigned long long ('y'), so the headers' reference to
-// nvshmemi_transfer_put_signal<S>(..., uint64_t signal, ...) would not resolve. Forward the 'y'
-// flavour to the 'm' one the library exports. (The only library function with a uint64_t parameter
-// that point-to-point code reaches in NVSHMEM 3.4.)
+// the library's put-with-signal function would not resolve. Define the 'y' flavour the headers
+// declare as a forward to the 'm' one the library exports: the only out-of-line library function
+// with a uint64_t parameter that point-to-point code reaches. Its name and parameters by release:
+//   3.4:      nvshmemi_transfer_put_signal<S>(..., signal, sig_op, pe, is_nbi)
+//   3.5-3.7:  nvshmemi_transfer_put_signal<S>(..., signal, sig_op, pe, is_nbi, qp_index)
+//   3.8+:     nvshmemi_transfer_put_signal_dispatch<S>(..., same), put_signal an inline wrapper
+#define EPCOMM_NVSHMEM_AT_LEAST(major, minor)                                                  \
+    (NVSHMEM_VENDOR_MAJOR_VERSION > (major) ||                                                 \
+     (NVSHMEM_VENDOR_MAJOR_VERSION == (major) && NVSHMEM_VENDOR_MINOR_VERSION >= (minor)))
+#if EPCOMM_NVSHMEM_AT_LEAST(3, 8)
+#define EPCOMM_PUT_SIGNAL_OUT_OF_LINE nvshmemi_transfer_put_signal_dispatch
+#else
+#define EPCOMM_PUT_SIGNAL_OUT_OF_LINE nvshmemi_transfer_put_signal
+#endif
+#if EPCOMM_NVSHMEM_AT_LEAST(3, 5)
+#define EPCOMM_PUT_SIGNAL_QP_PARAM , nvshmemx_qp_handle_t qp_index
+#define EPCOMM_PUT_SIGNAL_QP_ARG , qp_index
+#else
+#define EPCOMM_PUT_SIGNAL_QP_PARAM
+#define EPCOMM_PUT_SIGNAL_QP_ARG
+#endif
 template <threadgroup_t SCOPE>
-__device__ void nvshmemi_transfer_put_signal(void *rptr, void *lptr, size_t bytes, void *sig_addr,
-                                             unsigned long signal, nvshmemi_amo_t sig_op, int pe,
-                                             bool is_nbi);
+__device__ void EPCOMM_PUT_SIGNAL_OUT_OF_LINE(void *rptr, void *lptr, size_t bytes, void *sig_addr,
+                                              unsigned long signal, nvshmemi_amo_t sig_op, int pe,
+                                              bool is_nbi EPCOMM_PUT_SIGNAL_QP_PARAM);
 template <threadgroup_t SCOPE>
-__device__ void nvshmemi_transfer_put_signal(void *rptr, void *lptr, size_t bytes, void *sig_addr,
-                                             unsigned long long signal, nvshmemi_amo_t sig_op,
-                                             int pe, bool is_nbi) {
-    nvshmemi_transfer_put_signal<SCOPE>(rptr, lptr, bytes, sig_addr, static_cast<unsigned long>(signal),
-                                        sig_op, pe, is_nbi);
+__device__ void EPCOMM_PUT_SIGNAL_OUT_OF_LINE(void *rptr, void *lptr, size_t bytes, void *sig_addr,
+                                              unsigned long long signal, nvshmemi_amo_t sig_op,
+                                              int pe, bool is_nbi EPCOMM_PUT_SIGNAL_QP_PARAM) {
+    EPCOMM_PUT_SIGNAL_OUT_OF_LINE<SCOPE>(rptr, lptr, bytes, sig_addr,
+                                         static_cast<unsigned long>(signal), sig_op, pe,
+                                         is_nbi EPCOMM_PUT_SIGNAL_QP_ARG);
 }
 #endif

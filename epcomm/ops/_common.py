@@ -36,7 +36,7 @@ def aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def host_ints(gb, ints: torch.Tensor) -> List[int]:
     """The values of a device int32 tensor once the stream got there (a GPU failure recorded by
     then raises first: PeerTimeout / DeviceCheckFailed)."""
-    pinned = torch.empty(ints.shape, dtype=torch.int32, pin_memory=True)
+    pinned = torch.empty(ints.shape, dtype=torch.int32, device="cpu", pin_memory=True)   # only CPU tensors pin
     pinned.copy_(ints, non_blocking=True)   # queued on gb.device's current stream
     torch.cuda.current_stream(gb.device_index).synchronize()
     gb.check_errors()

@@ -113,7 +113,7 @@ def _normal_sources(s: ModelShapes) -> List[KernelSource]:
     index_dtype = INDEX_DTYPES[s.index_dtype]
     index_type = layout._INDEX_TYPES[index_dtype]
     # get_dispatch_layout on a tensor from the caching allocator (16-byte aligned rows).
-    topk_row = s.num_topk * torch.tensor([], dtype=index_dtype).element_size()
+    topk_row = s.num_topk * index_dtype.itemsize
     out = [layout.layout_source(s.num_topk, s.num_experts, R, L, index_dtype,
                                 layout._load_bytes(topk_row, 0))]
     rows = [(s.hidden * (2 if d == "bf16" else 1), 0 if d == "bf16" else s.hidden // 128)

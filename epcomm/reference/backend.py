@@ -1,6 +1,6 @@
 """ReferenceBackend: the whole Buffer API on CPU tensors over a gloo group.
 
-Every operation gathers the inputs of all ranks (exchange.all_gather_rows) and computes this
+Every operation gathers the inputs of all ranks (exchange.py, bounded by EPCOMM_TIMEOUT_S) and computes this
 rank's result with the oracle functions, so the backend and the oracle of the GPU tests are one
 definition. Calls are collective: every rank of the group makes the same calls in the same order.
 Everything is synchronous; there are no streams, so the GPU-only knobs (config, events) are
@@ -212,13 +212,13 @@ class ReferenceBackend(Backend):
         """A zero-copy view of this rank's host buffer (num_rdma_bytes or num_nvl_bytes),
         starting at byte `offset`: 1-D over the rest of the buffer, or shaped `size`."""
         memory = self._buffer(bool(use_rdma_buffer))
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         if offset < 0 or offset % element or offset > len(memory):
             raise ValueError(f"get_local_buffer_tensor: offset {offset} must be a multiple of "
                              f"{element} within the {len(memory)}-byte buffer")
         count = (len(memory) - offset) // element
         raw = (torch.frombuffer(memory, dtype=torch.uint8) if len(memory)
-               else torch.empty(0, dtype=torch.uint8))
+               else torch.empty(0, dtype=torch.uint8, device="cpu"))
         tensor = raw[offset:offset + count * element].view(dtype)
         if size is None:
             return tensor

@@ -24,6 +24,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+CPU = torch.device("cpu")   # named: frameworks set other default devices
+
 from ..errors import BufferUnusable, PeerFailed, PeerTimeout
 
 # gloo matches point-to-point messages by (peer, tag): a tag of its own keeps these apart from any
@@ -94,10 +96,10 @@ class Exchange:
             raise ValueError(f"{op}: ranks disagree on the row size of {what}: {list(widths)} bytes "
                              f"per row (by rank)")
         data = tensor.contiguous().view(torch.uint8).reshape(-1) if row_bytes else \
-            torch.empty(0, dtype=torch.uint8)
+            torch.empty(0, dtype=torch.uint8, device=CPU)
         received = self._swap(data, [c * row_bytes for c in counts], op, f"gather {what}")
         return [r.view(tensor.dtype).reshape(c, *trailing) if row_bytes else
-                torch.empty((c, *trailing), dtype=tensor.dtype) for r, c in zip(received, counts)]
+                torch.empty((c, *trailing), dtype=tensor.dtype, device=CPU) for r, c in zip(received, counts)]
 
     def gather_optional(self, tensor: Optional[torch.Tensor], op: str, what: str
                         ) -> Optional[List[torch.Tensor]]:
@@ -114,7 +116,7 @@ class Exchange:
         header carries the phase's checksum: ranks out of step (one skipped a message) raise here
         rather than read each other's bytes as something else."""
         tag = zlib.crc32(phase.encode())   # not the op: agree() names ranks in different calls
-        header = torch.tensor([tag, *values], dtype=torch.int64).view(torch.uint8)
+        header = torch.tensor([tag, *values], dtype=torch.int64, device=CPU).view(torch.uint8)
         headers = [h.view(torch.int64).tolist() for h in
                    self._swap(header, [header.numel()] * self.num_ranks, op, f"{phase} (sizes)")]
         if any(h[0] != tag for h in headers):
@@ -125,7 +127,7 @@ class Exchange:
         return list(zip(*(h[1:] for h in headers)))
 
     def barrier(self, op: str) -> None:
-        self._swap(torch.zeros(1, dtype=torch.uint8), [1] * self.num_ranks, op, "barrier")
+        self._swap(torch.zeros(1, dtype=torch.uint8, device=CPU), [1] * self.num_ranks, op, "barrier")
 
     # ---- point to point -------------------------------------------------------------------------
     def _swap(self, data: torch.Tensor, recv_sizes: List[int], op: str, phase: str
@@ -135,14 +137,14 @@ class Exchange:
         self.require_usable(op)
         deadline = time.monotonic() + self.timeout_s
         group = self.group
-        received: List[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * self.num_ranks
+        received: List[torch.Tensor] = [torch.empty(0, dtype=torch.uint8, device=CPU)] * self.num_ranks
         received[self.rank] = data.clone()   # results built from it must not alias the caller's input
         recvs, sends = [], []
         for peer in range(self.num_ranks):
             if peer == self.rank:
                 continue
             if recv_sizes[peer]:
-                received[peer] = torch.empty(recv_sizes[peer], dtype=torch.uint8)
+                received[peer] = torch.empty(recv_sizes[peer], dtype=torch.uint8, device=CPU)
                 recvs.append((peer, dist.irecv(received[peer], self._global[peer], group=group, tag=_TAG)))
             if data.numel():
                 sends.append((peer, dist.isend(data, self._global[peer], group=group, tag=_TAG)))

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import InternodeHandle, IntranodeHandle, named
+from .oracle import CPU
 
 INTRANODE_HANDLE_LEN = 6
 INTERNODE_HANDLE_LEN = 10
@@ -66,8 +67,9 @@ def build_internode(prefix, recv_src_idx, is_token_in_rank, rank, num_local_rank
     received = received_per_source(prefix, rank)
     gbl_prefix = received.cumsum(0)
     node_received = received.view(num_nodes, num_local_ranks).sum(1)
-    sources = torch.repeat_interleave(torch.arange(num_ranks), received)
-    src_meta = torch.full((len(recv_src_idx), 2), -1, dtype=torch.int32)
+    sources = torch.repeat_interleave(
+        torch.arange(num_ranks, dtype=torch.int64, device=CPU), received)
+    src_meta = torch.full((len(recv_src_idx), 2), -1, dtype=torch.int32, device=CPU)
     src_meta[:len(sources), 0] = sources.int()
     src_meta[:, 1] = recv_src_idx
     return InternodeHandle(
@@ -79,7 +81,7 @@ def build_internode(prefix, recv_src_idx, is_token_in_rank, rank, num_local_rank
             (gbl_prefix - received).int()[:, None].contiguous(),
             gbl_prefix.int(),
             src_meta,
-            _positions(in_node, torch.zeros(num_nodes, dtype=torch.int64)),
+            _positions(in_node, torch.zeros(num_nodes, dtype=torch.int64, device=CPU)),
             send_rows(is_token_in_rank, prefix, rank))
 
 

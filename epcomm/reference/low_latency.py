@@ -21,6 +21,7 @@ import torch
 
 from ..backend import LowLatencyDispatchResult, LowLatencyHandle
 from . import oracle
+from .oracle import CPU
 
 
 def _received_already():
@@ -31,7 +32,7 @@ class LowLatencyState:
     def __init__(self, backend, enable_shrink: bool):
         self.backend = backend
         self.enable_shrink = enable_shrink
-        self.mask = torch.zeros(backend.num_ranks, dtype=torch.int32)
+        self.mask = torch.zeros(backend.num_ranks, dtype=torch.int32, device=CPU)
         self.buffer_index = 0              # which of the two buffer sets the next call uses
         self.combine_buffers = [None, None]
 
@@ -97,7 +98,7 @@ class LowLatencyState:
         shape = (num_experts // ranks, ranks * tokens_per_rank, hidden)
         buffer = self.combine_buffers[self.buffer_index]
         if buffer is None or tuple(buffer.shape) != shape:
-            buffer = torch.zeros(shape, dtype=torch.bfloat16)
+            buffer = torch.zeros(shape, dtype=torch.bfloat16, device=CPU)
             self.combine_buffers[self.buffer_index] = buffer
         return buffer
 

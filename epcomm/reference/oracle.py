@@ -31,11 +31,13 @@ from typing import Optional, Sequence
 
 import torch
 
+# The reference computes on the host whatever torch's default device is.
+CPU = torch.device("cpu")
 FP8_MAX = 448.0
 CHANNELS_PER_SCALE = 128
-_FP8_MARGIN = torch.tensor(1e-4, dtype=torch.float32)          # kernels: fmaxf(1e-4f, |x|)
-_FP8_MAX_F32 = torch.tensor(FP8_MAX, dtype=torch.float32)
-_FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)  # the kernels' fl32(1/448)
+_FP8_MARGIN = torch.tensor(1e-4, dtype=torch.float32, device=CPU)    # kernels: fmaxf(1e-4f, |x|)
+_FP8_MAX_F32 = torch.tensor(FP8_MAX, dtype=torch.float32, device=CPU)
+_FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=CPU)  # fl32(1/448)
 
 
 # The bf16 NaN of every combine: what torch's .to(torch.bfloat16) gives on a CUDA device (CUDA's
@@ -77,7 +79,7 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, num_local_r
     num_tokens = experts.shape[0]
     valid = experts >= 0
     num_tokens_per_expert = torch.bincount(experts[valid], minlength=num_experts).int()
-    is_token_in_rank = torch.zeros(num_tokens, num_ranks, dtype=torch.bool)
+    is_token_in_rank = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device=CPU)
     for k in range(experts.shape[1]):
         tokens = valid[:, k].nonzero().flatten()
         is_token_in_rank[tokens, experts[tokens, k] // num_local_experts] = True
@@ -121,7 +123,7 @@ def dispatch(xs, x_scales, topk_idxs, topk_weights, is_token_in_ranks, num_exper
     def gather(tensors, fill=0):
         """Selected rows of every source, in order, padded to `padded` rows with `fill`."""
         rows = torch.cat([t[s] for t, s in zip(tensors, selected)])
-        out = torch.zeros((padded, *rows.shape[1:]), dtype=rows.dtype)
+        out = torch.zeros((padded, *rows.shape[1:]), dtype=rows.dtype, device=CPU)
         if fill:
             out.fill_(fill)
         out[:num_recv] = rows
@@ -129,7 +131,7 @@ def dispatch(xs, x_scales, topk_idxs, topk_weights, is_token_in_ranks, num_exper
 
     result = dict(recv_x=gather(xs), recv_x_scales=None, recv_topk_idx=None,
                   recv_topk_weights=None, num_recv_tokens_per_expert_list=[],
-                  recv_src_idx=gather([torch.arange(len(t), dtype=torch.int32)
+                  recv_src_idx=gather([torch.arange(len(t), dtype=torch.int32, device=CPU)
                                       for t in is_token_in_ranks], fill=-1),
                   rank_prefix_matrix=rank_prefix_matrix(is_token_in_ranks))
     if x_scales is not None:
@@ -175,13 +177,14 @@ def combine(xs, is_token_in_ranks, rank, topk_weights=None, bias=(None, None), n
         bias = (bias, None)
     mine = is_token_in_ranks[rank]
     num_tokens, hidden = mine.shape[0], xs[rank].shape[1]
-    acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=CPU)
     for b in bias:
         if b is not None:
             acc += b.float()
     weights = None
     if topk_weights is not None:
-        weights = torch.zeros(num_tokens, topk_weights[rank].shape[1], dtype=torch.float32)
+        weights = torch.zeros(num_tokens, topk_weights[rank].shape[1], dtype=torch.float32,
+                              device=CPU)
     for first in range(0, len(xs), num_local_ranks):
         node_ranks = range(first, first + num_local_ranks)
         partial = torch.zeros_like(acc)
@@ -189,7 +192,7 @@ def combine(xs, is_token_in_ranks, rank, topk_weights=None, bias=(None, None), n
         for r in node_ranks:
             first_row = sum(int(is_token_in_ranks[s][:, r].sum()) for s in range(rank))
             tokens = mine[:, r].nonzero().flatten()
-            rows = first_row + torch.arange(len(tokens))
+            rows = first_row + torch.arange(len(tokens), dtype=torch.int64, device=CPU)
             partial[tokens] += xs[r][rows].float()
             if weights is not None:
                 partial_weights[tokens] += topk_weights[r][rows].float()
@@ -273,7 +276,7 @@ def fp8_dequant(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def link_alive(rank_masks: Optional[Sequence[torch.Tensor]], num_ranks: int) -> torch.Tensor:
     """[R, R] bool: can s and d exchange tokens (neither masks the other)?"""
     if rank_masks is None:
-        return torch.ones(num_ranks, num_ranks, dtype=torch.bool)
+        return torch.ones(num_ranks, num_ranks, dtype=torch.bool, device=CPU)
     masked = torch.stack([m.flatten() != 0 for m in rank_masks])
     return ~(masked | masked.T)
 
@@ -292,26 +295,28 @@ def low_latency_dispatch(xs, topk_idxs, num_max_dispatch_tokens_per_rank, num_ex
     alive = link_alive(rank_masks, num_ranks)
     if use_fp8:
         casts = [fp8_cast(x, round_scale, use_ue8m0) for x in xs]
-        recv_x = torch.zeros(num_local_experts, slots, hidden, dtype=torch.float8_e4m3fn)
+        recv_x = torch.zeros(num_local_experts, slots, hidden, dtype=torch.float8_e4m3fn,
+                             device=CPU)
         scale_cols = casts[rank][1].shape[1]
         scale_dtype = torch.int32 if use_ue8m0 else torch.float32
         recv_x_scales = torch.zeros(num_local_experts, scale_cols, slots,
-                                    dtype=scale_dtype).transpose(1, 2)
+                                    dtype=scale_dtype, device=CPU).transpose(1, 2)
     else:
         casts = [(x, None) for x in xs]
-        recv_x = torch.zeros(num_local_experts, slots, hidden, dtype=torch.bfloat16)
+        recv_x = torch.zeros(num_local_experts, slots, hidden, dtype=torch.bfloat16, device=CPU)
         recv_x_scales = None
-    src_info = torch.full((num_local_experts, slots), -1, dtype=torch.int32)
-    layout_range = torch.zeros(num_local_experts, num_ranks, dtype=torch.int64)
-    recv_count = torch.zeros(num_local_experts, dtype=torch.int32)
+    src_info = torch.full((num_local_experts, slots), -1, dtype=torch.int32, device=CPU)
+    layout_range = torch.zeros(num_local_experts, num_ranks, dtype=torch.int64, device=CPU)
+    recv_count = torch.zeros(num_local_experts, dtype=torch.int32, device=CPU)
     for e in range(num_local_experts):
         expert = rank * num_local_experts + e
         begin = 0
         for s in range(num_ranks):
-            tokens = torch.zeros(0, dtype=torch.int64)
+            tokens = torch.zeros(0, dtype=torch.int64, device=CPU)
             if alive[s, rank]:
                 hits = (topk_idxs[s].long() == expert).sum(1)   # once per top-k slot
-                tokens = torch.repeat_interleave(torch.arange(len(hits)), hits)
+                tokens = torch.repeat_interleave(
+                    torch.arange(len(hits), dtype=torch.int64, device=CPU), hits)
             count = len(tokens)
             if count > tokens_per_rank:
                 raise ValueError(f"rank {s} sends {count} tokens to expert {expert}, more than "
@@ -336,8 +341,9 @@ def ll_valid_rows(expert_output, src_info, layout_range):
         for s in range(layout_range.shape[1]):
             packed = int(layout_range[e, s])
             begin, count = packed >> 32, packed & 0xFFFFFFFF
-            index = torch.arange(begin, begin + count)
-            metas.append(torch.stack([torch.full((count,), e), torch.full((count,), s),
+            index = torch.arange(begin, begin + count, dtype=torch.int64, device=CPU)
+            metas.append(torch.stack([torch.full((count,), e, dtype=torch.int64, device=CPU),
+                                      torch.full((count,), s, dtype=torch.int64, device=CPU),
                                       src_info[e, index].long()], 1))
             rows.append(expert_output[e, index])
     return torch.cat(metas), torch.cat(rows)
@@ -355,8 +361,8 @@ def ll_combine_rows(rows, topk_idx, topk_weights, rank, num_experts, rank_masks=
     num_tokens, hidden = topk_idx.shape[0], rows[rank][1].shape[1]
     alive = link_alive(rank_masks, num_ranks)[rank]
     # slot[g, n]: index into `table` of expert g's row for token n; row 0 of table is zeros.
-    table = [torch.zeros(1, hidden, dtype=torch.float32)]
-    slot = torch.zeros(num_experts, num_tokens, dtype=torch.int64)
+    table = [torch.zeros(1, hidden, dtype=torch.float32, device=CPU)]
+    slot = torch.zeros(num_experts, num_tokens, dtype=torch.int64, device=CPU)
     offset = 1
     for d, (meta, data) in enumerate(rows):
         mine = meta[:, 1] == rank
@@ -365,14 +371,15 @@ def ll_combine_rows(rows, topk_idx, topk_weights, rank, num_experts, rank_masks=
             raise ValueError(f"low_latency_combine: topk_idx has {num_tokens} rows, but rank {d} holds "
                              f"rows of token {int(meta[:, 2].max())} of rank {rank}: pass the topk_idx "
                              f"(all its rows) of the dispatch whose handle this is")
-        slot[d * num_local_experts + meta[:, 0], meta[:, 2]] = offset + torch.arange(len(meta))
+        slot[d * num_local_experts + meta[:, 0], meta[:, 2]] = offset + torch.arange(
+            len(meta), dtype=torch.int64, device=CPU)
         table.append(data.float())
         offset += len(meta)
     table = torch.cat(table)
-    acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
-    tokens = torch.arange(num_tokens)
+    acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=CPU)
+    tokens = torch.arange(num_tokens, dtype=torch.int64, device=CPU)
     for d in range(num_ranks):
-        partial = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+        partial = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=CPU)
         for k in range(topk_idx.shape[1]):
             experts = topk_idx[:, k].long()
             safe = experts.clamp_min(0)

@@ -276,16 +276,22 @@ def _save_failed_unit(plan: BuildPlan, log: str) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------
 # Params layout checks (used by every ops module's CPU test)
 # ---------------------------------------------------------------------------------------------
+# A constant offsetof for NVRTC 12 and 13: NVRTC 12.9 has no __builtin_offsetof, and libcu++'s
+# offsetof is not a constant expression there; __INTADDR__ (the EDG front end's) works in both.
+OFFSETOF_MACRO = "#define EPCOMM_OFFSETOF(T, m) ((unsigned long long)__INTADDR__(&(((T *)0)->m)))\n"
+
+
 def params_layout_check_source(cpp_struct: str, ctypes_cls) -> str:
     """C++ static_asserts that `cpp_struct` has the size, alignment and field offsets of the
     ctypes mirror; field names must match."""
-    lines = [f"static_assert(sizeof({cpp_struct}) == {ctypes.sizeof(ctypes_cls)}, "
+    lines = [OFFSETOF_MACRO.rstrip("\n"),
+             f"static_assert(sizeof({cpp_struct}) == {ctypes.sizeof(ctypes_cls)}, "
              f"\"sizeof({cpp_struct}) != {ctypes.sizeof(ctypes_cls)} (ctypes)\");",
              f"static_assert(alignof({cpp_struct}) == {ctypes.alignment(ctypes_cls)}, "
              f"\"alignof({cpp_struct}) != {ctypes.alignment(ctypes_cls)} (ctypes)\");"]
     for name, *_ in ctypes_cls._fields_:
         off = getattr(ctypes_cls, name).offset
-        lines.append(f"static_assert(__builtin_offsetof({cpp_struct}, {name}) == {off}, "
+        lines.append(f"static_assert(EPCOMM_OFFSETOF({cpp_struct}, {name}) == {off}, "
                      f"\"offsetof({cpp_struct}, {name}) != {off} (ctypes)\");")
     return "\n".join(lines) + "\n"
 

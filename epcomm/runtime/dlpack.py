@@ -114,7 +114,7 @@ def wrap_pointer(ptr: int, dtype: torch.dtype, shape, device, owner: Any = None)
     tensor over it exists (freeing the memory by other means still invalidates the tensor)."""
     device = torch.device(device)
     dims = _normalise_shape(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     nbytes = math.prod(dims) * itemsize
     if nbytes == 0:
         return torch.empty(dims, dtype=dtype, device=device)

@@ -54,7 +54,7 @@ def apply_env_defaults(single_host: bool,
     return applied
 
 
-# ---- ABI (NVSHMEM 3.4: bootstrap_device_host/nvshmem_uniqueid.h, device_host/nvshmem_types.h) --
+# ---- ABI (bootstrap_device_host/nvshmem_uniqueid.h, device_host/nvshmem_types.h) -----------------
 class UniqueId(ctypes.Structure):  # nvshmemx_uniqueid_v1
     _fields_ = [("version", ctypes.c_int), ("internal", ctypes.c_char * 124)]
 
@@ -64,28 +64,51 @@ class UniqueIdArgs(ctypes.Structure):  # nvshmemx_uniqueid_args_v1
                 ("myrank", ctypes.c_int), ("nranks", ctypes.c_int)]
 
 
-class InitArgs(ctypes.Structure):  # nvshmemx_init_args_v1
+class InitArgsV1(ctypes.Structure):  # nvshmemx_init_args_v1 (nvshmemx_init_args_t up to 3.4)
     _fields_ = [("version", ctypes.c_int), ("uid_args", UniqueIdArgs),
                 ("content", ctypes.c_char * 96)]
 
 
-class InitAttr(ctypes.Structure):  # nvshmemx_init_attr_v1
-    _fields_ = [("version", ctypes.c_int), ("mpi_comm", ctypes.c_void_p), ("args", InitArgs)]
+class InitArgsV2(ctypes.Structure):  # nvshmemx_init_args_v2 (nvshmemx_init_args_t from 3.5)
+    _fields_ = [("version", ctypes.c_int), ("uid_args", UniqueIdArgs),
+                ("cuda_device_id", ctypes.c_int), ("content", ctypes.c_char * 92)]
 
 
-def _struct_version(struct) -> int:
-    # The convention of the headers' *_INITIALIZER macros: (1 << 16) + sizeof(struct).
-    return (1 << 16) + ctypes.sizeof(struct)
+class InitAttrV1(ctypes.Structure):  # nvshmemx_init_attr_v1 as 3.4 defines it
+    _fields_ = [("version", ctypes.c_int), ("mpi_comm", ctypes.c_void_p), ("args", InitArgsV1)]
+
+
+class InitAttrV2(ctypes.Structure):  # nvshmemx_init_attr_v2 (nvshmemx_init_attr_t from 3.5)
+    _fields_ = [("version", ctypes.c_int), ("mpi_comm", ctypes.c_void_p), ("args", InitArgsV2)]
+
+
+OLDEST_SUPPORTED = (3, 4)
+# The first release whose nvshmemx_init_args_t / _attr_t are the v2 structs (read in the 3.4.5,
+# 3.5.21, 3.6.5, 3.7.2 and 3.8.0 wheels' headers).
+INIT_V2_SINCE = (3, 5)
+
+
+def init_layout(version: Tuple[int, ...]) -> Tuple[type, int]:
+    """(nvshmemx_init_attr_t's ctypes mirror, its struct revision) for NVSHMEM `version`."""
+    if tuple(version[:2]) < OLDEST_SUPPORTED:
+        raise NvshmemError(f"NVSHMEM {'.'.join(map(str, version))} is too old: epcomm needs "
+                           f"{'.'.join(map(str, OLDEST_SUPPORTED))} or newer ({_INSTALL_HINT})")
+    return (InitAttrV2, 2) if tuple(version[:2]) >= INIT_V2_SINCE else (InitAttrV1, 1)
+
+
+def _struct_version(struct, revision: int = 1) -> int:
+    # The convention of the headers' *_INITIALIZER macros: (revision << 16) + sizeof(struct).
+    return (revision << 16) + ctypes.sizeof(struct)
 
 
 _SIGNATURES = {
     "nvshmemx_get_uniqueid": (ctypes.c_int, [ctypes.POINTER(UniqueId)]),
+    # The attr's layout depends on the library's version (init_layout): any struct, by reference.
     "nvshmemx_set_attr_uniqueid_args": (ctypes.c_int, [ctypes.c_int, ctypes.c_int,
-                                                       ctypes.POINTER(UniqueId),
-                                                       ctypes.POINTER(InitAttr)]),
+                                                       ctypes.POINTER(UniqueId), ctypes.c_void_p]),
     # nvshmemx_init_attr is a static inline calling nvshmemi_init_thread from libnvshmem_device.a;
     # the .so exports this one (platform.md (a)).
-    "nvshmemx_hostlib_init_attr": (ctypes.c_int, [ctypes.c_uint, ctypes.POINTER(InitAttr)]),
+    "nvshmemx_hostlib_init_attr": (ctypes.c_int, [ctypes.c_uint, ctypes.c_void_p]),
     "nvshmemx_hostlib_finalize": (None, []),
     "nvshmemx_init_status": (ctypes.c_int, []),
     "nvshmem_my_pe": (ctypes.c_int, []),
@@ -133,6 +156,20 @@ def library() -> ctypes.CDLL:
     return _lib
 
 
+def new_init_attr(version: Tuple[int, ...]) -> ctypes.Structure:
+    """An nvshmemx_init_attr_t for NVSHMEM `version`, filled as its NVSHMEMX_INIT_ATTR_INITIALIZER
+    would: hostlib_init_attr does not fill the version fields (the inline nvshmemx_init_attr does)."""
+    attr_type, revision = init_layout(version)
+    attr = attr_type()
+    attr.version = _struct_version(attr_type, revision)
+    attr.args.version = _struct_version(type(attr.args), revision)
+    attr.args.uid_args.version = _struct_version(UniqueIdArgs)
+    attr.args.uid_args.myrank = attr.args.uid_args.nranks = -1
+    if revision >= 2:
+        attr.args.cuda_device_id = -1   # the initializer's value: the current device
+    return attr
+
+
 def library_version() -> Tuple[int, int, int]:
     major, minor, patch = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     library().nvshmemx_vendor_get_version_info(ctypes.byref(major), ctypes.byref(minor),
@@ -160,7 +197,7 @@ def _make_context_current(device_index: int) -> None:
     """NVSHMEM binds to the current device's current context: make that torch's primary context."""
     import torch
     torch.cuda.set_device(device_index)
-    torch.zeros(1, device=torch.device("cuda", device_index))
+    torch.zeros(1, dtype=torch.uint8, device=torch.device("cuda", device_index))
 
 
 def _all_gather(group, obj) -> list:
@@ -234,12 +271,7 @@ class Nvshmem:
             raise NvshmemError(box[0])
         ctypes.memmove(ctypes.addressof(uid), box[0], ctypes.sizeof(uid))
 
-        # hostlib_init_attr does not fill the version fields (the inline nvshmemx_init_attr does).
-        attr = InitAttr()
-        attr.version = _struct_version(InitAttr)
-        attr.args.version = _struct_version(InitArgs)
-        attr.args.uid_args.version = _struct_version(UniqueIdArgs)
-        attr.args.uid_args.myrank = attr.args.uid_args.nranks = -1
+        attr = new_init_attr(library_version())
         # The attr keeps a pointer to uid: both stay alive (locals) until init returns.
         _check(lib.nvshmemx_set_attr_uniqueid_args(rank, size, ctypes.byref(uid), ctypes.byref(attr)),
                "nvshmemx_set_attr_uniqueid_args")

@@ -124,7 +124,7 @@ def _alloc_mapped(nbytes: int, device) -> tuple:
     """(host pointer, device pointer, release callable) of mapped pinned memory for `device`."""
     import torch
     with torch.cuda.device(device):
-        torch.zeros(1, device=device)  # makes torch's primary context current on this thread
+        torch.zeros(1, dtype=torch.uint8, device=device)  # makes torch's primary context current on this thread
         lib = _driver()
         host = ctypes.c_void_p()
         _cu_check(lib.cuMemHostAlloc(ctypes.byref(host), nbytes,

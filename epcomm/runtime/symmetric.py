@@ -48,7 +48,7 @@ class SymmetricBuffer:
         dims = (shape,) if isinstance(shape, int) else tuple(shape)
         if any(not isinstance(d, int) or d < 0 for d in dims):
             raise ValueError(f"{what}: shape must be non-negative ints, got {dims}")
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         nbytes = math.prod(dims) * itemsize
         if not isinstance(offset_bytes, int) or offset_bytes < 0:
             raise ValueError(f"{what}: offset_bytes must be a non-negative int, got {offset_bytes!r}")
