@@ -269,8 +269,10 @@ class Buffer:
     def _agreed_low_latency(self, c: Call, names: Tuple[str, ...], key: tuple) -> None:
         """First call with the argument set `key` (its first three: T, H, E): on the GPU, every rank
         must hold the same set (epcomm.agreement; checked before the capacity, so a mismatch raises
-        alike everywhere); the CPU backend checks every call in its exchange."""
-        if self._exchange is None and self._device.type == "cuda":
+        alike everywhere); the CPU backend checks every call in its exchange. An enable_shrink Buffer
+        skips the check: its calls must complete without a peer that stopped responding (masked),
+        and a collective over the group would wait for that peer."""
+        if self._exchange is None and self._device.type == "cuda" and not self.enable_shrink:
             if torch.cuda.is_current_stream_capturing():
                 return   # no collective inside a graph capture: the next call outside checks
             from .agreement import agree

@@ -324,7 +324,7 @@ def normal_handle(c: Call, handle, internode: bool, owner=None) -> tuple:
 
 def is_owned(handle, owner) -> bool:
     """The handle object one of this Buffer's calls returned (its routing needs no check)."""
-    return type(handle) is Handle and handle.owner is owner
+    return isinstance(handle, Handle) and handle.owner is owner
 
 
 def handle_routing(c: Call, items: tuple, internode: bool, rank: int, num_local_ranks: int) -> None:

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import epcomm.buffer as buffer_module
 from epcomm import Buffer, Config, EventOverlap
-from epcomm.backend import DispatchResult, LowLatencyDispatchResult
+from epcomm.backend import DispatchResult, IntranodeHandle, LowLatencyDispatchResult, LowLatencyHandle
 
 R, N, H, K, E, T, M = 2, 16, 256, 4, 8, 32, 24
 E_L = E // R
@@ -48,12 +48,14 @@ class InstantBackend:
     def __init__(self):
         self.calls = []
         self.layout = (meta(R, dtype=torch.int32), None, meta(E, dtype=torch.int32), meta(N, R, dtype=torch.bool))
-        self.handle = (meta(R, R, dtype=torch.int32), meta(R, 5, dtype=torch.int32), meta(R, 5, dtype=torch.int32),
-                       meta(M, dtype=torch.int32), self.layout[3], meta(N, R, dtype=torch.int32))
+        # Named handles, as both real backends return them (the Buffer's mark must survive that type).
+        self.handle = IntranodeHandle(meta(R, R, dtype=torch.int32), meta(R, 5, dtype=torch.int32),
+                                      meta(R, 5, dtype=torch.int32), meta(M, dtype=torch.int32), self.layout[3],
+                                      meta(N, R, dtype=torch.int32))
         self.dispatched = DispatchResult(meta(M, H, dtype=torch.bfloat16), None, meta(M, K, dtype=torch.int64),
                                          meta(M, K), [3, 4, 5, 6], self.handle)
         self.combined = (meta(N, H, dtype=torch.bfloat16), meta(N, K))
-        self.ll_handle = (meta(E_L, R * T, dtype=torch.int32), meta(E_L, R, dtype=torch.int64), T, H, E)
+        self.ll_handle = LowLatencyHandle(meta(E_L, R * T, dtype=torch.int32), meta(E_L, R, dtype=torch.int64), T, H, E)
         self.ll_dispatched = LowLatencyDispatchResult(meta(E_L, R * T, H, dtype=torch.bfloat16), None,
                                                       meta(E_L, dtype=torch.int32), self.ll_handle, None)
 

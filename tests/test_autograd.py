@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from tests.conftest import run_ranks
 
-HIDDEN, TOPK, LOCAL_EXPERTS = 128, 3, 2   # HIDDEN: one FP8 scale block (the GPU test also runs others)
+HIDDEN, TOPK, LOCAL_EXPERTS = 128, 3, 3   # HIDDEN: one FP8 scale block (the GPU test also runs others);
+# LOCAL_EXPERTS >= TOPK so that one rank alone holds enough experts for every top-k slot
 
 
 def _ints(kind: str, rank: int, shape, low=-3, high=4) -> torch.Tensor:

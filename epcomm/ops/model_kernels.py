@@ -17,6 +17,7 @@ import torch
 
 from .. import env
 from ..runtime.compiler import KernelSource
+from ._common import INDEX_TYPES
 from . import internode, internode_plan, intranode, intranode_plan, layout, low_latency
 
 MODES = ("normal", "low_latency")
@@ -111,7 +112,7 @@ def kernel_sources(shapes: ModelShapes) -> List[KernelSource]:
 def _normal_sources(s: ModelShapes) -> List[KernelSource]:
     R, L = s.num_ranks, s.num_local_ranks
     index_dtype = INDEX_DTYPES[s.index_dtype]
-    index_type = layout._INDEX_TYPES[index_dtype]
+    index_type = INDEX_TYPES[index_dtype]
     # get_dispatch_layout on a tensor from the caching allocator (16-byte aligned rows).
     topk_row = s.num_topk * index_dtype.itemsize
     out = [layout.layout_source(s.num_topk, s.num_experts, R, L, index_dtype,
