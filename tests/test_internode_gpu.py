@@ -392,8 +392,8 @@ def capacities(buf, world: int):
 
 def uneven_over_capacity(dist_env, buf, fits_dispatch: bool, seed: int):
     """(every rank's inputs, combine's capacity) with N alternating by rank between half combine's
-    capacity and a big N that fits dispatch but not combine (fits_dispatch: the reviewer's
-    (1000, 4600) on 2 ranks at 256 MiB) or not even dispatch ((900, 5000))."""
+    capacity and a big N that fits dispatch but not combine (fits_dispatch: like (1000, 4600) on 2
+    ranks at 256 MiB) or not even dispatch ((900, 5000))."""
     dispatch_cap, combine_cap = capacities(buf, dist_env.world_size)
     ns = (combine_cap // 2, dispatch_cap - 55 if fits_dispatch else dispatch_cap + 345)
     assert combine_cap < ns[1], (dispatch_cap, combine_cap)
@@ -421,9 +421,9 @@ def test_too_many_tokens_raise_before_the_data_kernel(dist_env):
 
 
 def test_uneven_n_over_capacity_raises_on_every_rank_in_exact_mode(dist_env):
-    """256 MiB, ranks with N far apart: one rank's N fits dispatch but not combine (reviewer's
-    (1000, 4600) on 2 ranks: before, only that rank raised in combine while the other launched and
-    wrote ~25 MB past its peer's buffer), or not even dispatch ((900, 5000)). Exact mode: every rank
+    """256 MiB, ranks with N far apart: one rank's N fits dispatch but not combine
+    ((1000, 4600) on 2 ranks: a check on that rank alone would let the other launch and write past
+    its peer's buffer), or not even dispatch ((900, 5000)). Exact mode: every rank
     knows the largest N from notify, so every rank raises ValueError before the data kernel, and
     the Buffer stays usable."""
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device

@@ -155,7 +155,7 @@ def _layout_cases(rank, world, group):
     assert isinstance(as_numpy[0], np.ndarray) and as_numpy[1] is None
     assert np.array_equal(as_numpy[3], expected[3].numpy())
     assert isinstance(as_numpy[4], EventOverlap)
-    # int32 top-k ids are accepted in normal mode (issue 3) and count the same
+    # int32 top-k ids are accepted in normal mode and count the same
     as_int32 = buf.get_dispatch_layout(inp.topk_idx.int(), E)
     assert all(torch.equal(a, b) for a, b in zip(as_int32[:4], expected[:4]) if a is not None)
 
@@ -241,7 +241,7 @@ def _dispatch_cases(rank, world, group):
     assert isinstance(fp8[0], tuple) and torch.equal(fp8[0][1], dense[0][1])
     cached = buf.dispatch(x, list(handle))
     assert torch.equal(cached[0], expected[0]) and cached[1:5] == (None, None, None, None)
-    # int32 top-k ids (issue 3): same rows and weights; recv_topk_idx keeps the input's dtype
+    # int32 top-k ids: same rows and weights; recv_topk_idx keeps the input's dtype
     as_int32 = buf.dispatch(x, **lay, topk_idx=inp.topk_idx.int(), topk_weights=inp.topk_weights)
     assert torch.equal(as_int32[0], expected[0]) and as_int32[1].dtype == torch.int32
     assert torch.equal(as_int32[1].long(), expected[1]) and torch.equal(as_int32[2], expected[2])
