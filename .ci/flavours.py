@@ -4,8 +4,8 @@
 A leg whose CUDA flavour is this environment's runs in it; the other flavour gets a venv under
 DIR (made once, reused). NVSHMEM is unpacked under DIR and reached through EPCOMM_NVSHMEM_HOME,
 never installed over the environment's own. Each leg runs the ABI and JIT compile tests (both
-link modes on probes), then builds every kernel for sm_90 in link mode "lib" (the mode that links
-NVSHMEM's device archive of that release).
+link modes on probes, the Params mirrors), then builds every kernel for sm_90 in link mode "lib"
+(the mode that links NVSHMEM's device archive of that release).
 
     python .ci/flavours.py DIR [LEG ...]     # LEG: cu13-3.8.0, cu12-3.8.0 (default: both)
 """
@@ -47,7 +47,10 @@ def run_leg(leg: str, folder: str) -> bool:
     env = dict(os.environ, EPCOMM_NVSHMEM_HOME=home, PYTHONPATH=ROOT,
                EPCOMM_CACHE_DIR=os.path.join(folder, f"cache-{leg}"))
     print(f"== leg {leg}: {python}, EPCOMM_NVSHMEM_HOME={home}", flush=True)
-    tests = subprocess.run([python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TESTS],
+    # The inline-mode build of every kernel for sm_80 and sm_90 is make test's; here every kernel
+    # is built once, for sm_90 in link mode "lib" (below), which compiles and links them all.
+    tests = subprocess.run([python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TESTS,
+                            "-k", "not precompile_cli_exits_zero and not every_registered_source_was_built"],
                            cwd=ROOT, env=env)
     link = subprocess.run([python, "-m", "epcomm.jit", "--precompile", "--arch", "sm_90"], cwd=ROOT,
                           env=dict(env, EPCOMM_NVSHMEM_LINK="lib"))
