@@ -385,7 +385,7 @@ def test_mnnvl_writes_other_nodes_in_place(dist_env, setup):
 # ---- capacity and failures ------------------------------------------------------------------------
 def capacities(buf, world: int):
     """(dispatch, combine) capacity in tokens per rank of a BF16 H = 7168, K = 8 call on nodes of 1."""
-    record, nbytes = plan.dispatch_record_bytes(HIDDEN * 2, 0, 8, 1), buf._backend.rdma.nbytes
+    record, nbytes = plan.dispatch_record_bytes(HIDDEN * 2, 0, 8, 1), buf.num_rdma_bytes
     return (plan.DispatchLayout(nbytes, world, 1, record).capacity,
             plan.CombineLayout(nbytes, world, 1, HIDDEN * 2).capacity)
 

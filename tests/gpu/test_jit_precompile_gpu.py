@@ -62,7 +62,7 @@ def test_normal_mode_calls_hit_the_precompiled_cache(dist_env, monkeypatch):
     rdma = rdma_bytes_needed(max_tokens, probe.hidden * 2, probe.hidden // 128, probe.num_topk, R, 1)
     buffer = epcomm.Buffer(dist_env.group, num_nvl_bytes=epcomm.Config().get_nvl_buffer_size_hint(probe.hidden * 2, R),
                            num_rdma_bytes=-(-rdma // 128) * 128, explicitly_destroy=True)
-    shapes = _shapes(R, buffer._backend.num_local_ranks, ("normal",))
+    shapes = _shapes(R, R // buffer.runtime.get_num_rdma_ranks(), ("normal",))
 
     def calls():
         _warm(monkeypatch, device, shapes)

@@ -21,7 +21,7 @@ from typing import Dict, Optional, Tuple
 import pytest
 import torch
 
-from epcomm.ops.low_latency_layout import RECORD_BYTES
+from epcomm.ops.low_latency_layout import RECORD_BYTES, Layout
 from tests import topology
 from tests.helpers.gpu import calc_diff
 
@@ -320,15 +320,14 @@ def test_stale_bytes_in_record_slots_are_never_taken_for_records(dist_env):
     sets' record slots on every rank are filled with such bytes: random words, and words whose high
     half is a small integer (what a raw epoch stamp would have taken for its own)."""
     buf = _buffer(dist_env, shapes=ALL_SHAPES)
-    ll = buf._backend._low_latency()
     dev, problems = dist_env.device, []
 
     def fill(case, seed):
-        layout = ll._layout(case.T, case.H, case.E)
+        layout = Layout(case.T, case.H, dist_env.world_size, case.E)
         n = dist_env.world_size * case.T * RECORD_BYTES // 8
         g = torch.Generator(device=dev).manual_seed(seed)
         for s in (0, 1):
-            words = ll.gb.rdma.view(torch.int64, (n,), layout.records(s))
+            words = buf.get_local_buffer_tensor(torch.int64, (n,), layout.records(s), use_rdma_buffer=True)
             words.random_(generator=g)
             small = torch.randint(0, 1024, ((n + 1) // 2,), device=dev, generator=g)
             words[::2] = (small << 32) | (words[::2] & 0xffffffff)
@@ -721,7 +720,7 @@ def test_sends_with_most_sms_held(dist_env, sm_holder, free_sms):
                                  "fused combine", problems)
     problems += [f"fused combine: {m}" for m in _check_combine(case, rank, inputs, x_c, handle, combined)]
     try:
-        buf._backend.check_errors()   # a PeerTimeout recorded by any of them raises here
+        buf.check_errors()   # a PeerTimeout recorded by any of them raises here
     except Exception as e:            # reported on every rank by _verdict, not raised on this one alone
         problems.append(f"error recorded: {e!r}")
     _verdict(dist_env, problems, f"sends with {free_sms} free SMs")
