@@ -23,7 +23,7 @@ import deps  # noqa: E402
 import nvshmem_release  # noqa: E402
 
 LEGS = ("cu13-3.8.0", "cu12-3.8.0")
-TESTS = ("tests/test_nvshmem_abi.py", "tests/test_jit_compile.py")
+TESTS = ("tests/compile/test_nvshmem_abi.py", "tests/compile/test_jit_compile.py")
 
 
 def _python_for(flavour: str, folder: str) -> str:

@@ -67,7 +67,7 @@ __device__ void cast_token(const int4 *x_row, char *msg, int tid, int threads) {
 
 // Most tokens a block casts at once (one group of warps each, the token's messages spread over
 // the group), bounded so their messages fit kSmemBudget of shared memory. Mirrored by
-// epcomm.ops.low_latency.dispatch_smem_bytes (checked by tests/test_low_latency_plan.py).
+// epcomm.ops.low_latency.dispatch_smem_bytes (checked by tests/compile/test_low_latency_compile.py).
 template <int kHidden, int kTopK, bool kFP8, int kThreads> struct DispatchShape {
     static constexpr int kSmemBudget = 96 * 1024;
     static constexpr int kWarps = kThreads / 32;

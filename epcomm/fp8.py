@@ -8,8 +8,8 @@ One scale per token per 128 channels: amax = max(|x|, 1e-4) over the group, scal
 (round_scale: rounded up to a power of two; use_ue8m0: those powers packed as exponent bytes, four
 per int32, as low_latency_dispatch returns them). The values are bit for bit what the low-latency
 dispatch kernel writes for the same BF16 input (the definition lives in epcomm.reference.oracle,
-the GPU tests' reference; tests/test_fp8_gpu.py compares the two on the GPU). Works on CPU and CUDA
-tensors of any leading shape; scales come back row-major (the kernels accept any strides).
+the GPU tests' reference; tests/gpu/test_fp8_gpu.py compares the two on the GPU). Works on CPU and
+CUDA tensors of any leading shape; scales come back row-major (the kernels accept any strides).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 `ModelShapes` holds what a model fixes (hidden, top-k, experts, ranks, ranks per node, the
 low-latency token bound, dtypes, modes); `kernel_sources` names every kernel the Buffer calls
 compile for it, through the same name and source functions the ops modules call at run time, so a
-cache warmed from this list serves those calls without a compile (tests/test_jit_gpu.py checks
+cache warmed from this list serves those calls without a compile (tests/gpu/test_jit_precompile_gpu.py checks
 that with EPCOMM_ASSERT_NO_COMPILE=1).
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ structs (buffer header offsets, evaluated for given template arguments).
 
 Pure Python: reads text, compiles nothing. The grammar is the small subset the headers use (plain
 struct fields of scalar and pointer types, integer constant expressions); anything else raises
-ValueError naming the header. tests/test_cuda_decls.py and the compile tests check every mirror
+ValueError naming the header. tests/compile/test_cuda_decls.py and the other compile tests check every mirror
 against the compiler (offsetof / static_assert).
 """
 from __future__ import annotations

@@ -1,0 +1,57 @@
+"""Internode kernels without a GPU: they compile and link for both feature sets, and the ctypes
+Params, the RDMA header layout and the constants mirror the C++ (NVRTC static_asserts)."""
+from __future__ import annotations
+
+import pytest
+
+from epcomm.ops import internode
+from epcomm.ops import internode_plan as plan
+from epcomm.runtime import compiler
+from epcomm.runtime.compiler import KernelSource
+from tests.helpers.nvrtc import nvrtc_check
+
+# The template paths beyond internode.representative_sources() (which test_jit_compile's precompile
+# run builds for the same targets): 2 x 2, 3 x 2, cached FP8 dispatch, an odd row (H = 2056 BF16 =
+# 257 units), 2 x 8 at H = 4096 with int indices.
+KERNELS = (
+    plan.notify_kernel(4, 2), plan.notify_kernel(6, 2),
+    plan.dispatch_kernel(2, 1, 7168, 56, "int", False),
+    plan.dispatch_kernel(6, 2, 2056 * 2, 0, "long long", True),
+    plan.dispatch_kernel(16, 8, 4096 * 2, 0, "int", True),
+    plan.combine_kernel(6, 2, 2056 * 2), plan.combine_kernel(16, 8, 4096 * 2),
+)
+
+
+@pytest.mark.parametrize("arch_sm, feature", [(80, 80), (90, 90), (90, 80)])
+def test_kernels_compile_and_link(arch_sm, feature):
+    built = compiler.compile_cubin(KernelSource("internode.cu", KERNELS, uses_nvshmem=True), arch_sm, feature)
+    assert built.cubin[:4] == b"\x7fELF"
+    assert set(built.lowered) == set(KERNELS)
+
+
+def test_representative_sources_are_internode_kernels():
+    sources = internode.representative_sources()
+    assert sources and all(s.source == "internode.cu" and s.uses_nvshmem for s in sources)
+    names = {k for s in sources for k in s.kernels}
+    assert any("notify_kernel" in k for k in names) and any("combine_kernel" in k for k in names)
+    assert any("true>" in k for k in names) and any("false>" in k for k in names)
+
+
+@pytest.mark.parametrize("struct", sorted(plan.PARAMS))
+def test_params_mirror_cpp(struct):
+    compiler.check_params_layout("internode.cu", f"epcomm::internode::{struct}", plan.PARAMS[struct],
+                                 uses_nvshmem=True)
+
+
+def test_header_and_constants_mirror_cpp():
+    lines = ['#include "internode.cu"']
+    for ranks, nodes in ((2, 2), (4, 2), (16, 2), (72, 9), (8, 8)):
+        lines.append(f"static_assert(epcomm::internode::Header<{ranks}, {nodes}>::kBytes == "
+                     f"{plan.header_bytes(ranks, nodes)}, \"header bytes R={ranks} M={nodes}\");")
+    for name, value in (("kThreads", plan.THREADS), ("kNotifyThreads", plan.NOTIFY_THREADS),
+                        ("kMaxChunks", plan.MAX_CHUNKS), ("kMaxTopk", plan.MAX_TOPK),
+                        ("kMaxLocalExperts", plan.MAX_LOCAL_EXPERTS), ("kNotifyHead", plan.NOTIFY_HEAD),
+                        ("kPhaseConfigMismatch", len(plan.PHASES) - 2), ("kPhaseCapacity", len(plan.PHASES) - 1)):
+        # Unqualified inside the namespace: the family's names and common/'s (kMaxTopk) are both found.
+        lines.append(f"namespace epcomm {{ namespace internode {{ static_assert({name} == {value}, \"{name}\"); }} }}")
+    nvrtc_check("\n".join(lines) + "\n", "internode_check.cu", True, "layout mirror mismatch")

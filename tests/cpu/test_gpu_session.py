@@ -1,0 +1,119 @@
+"""The shared-GPU launcher of the GPU suite (tests/gpu_session.py) without a GPU: arguments, rank
+layout and environment, MPS absent, log summaries; and the topology helpers GPU tests size from."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests import gpu_session as gs
+from tests import topology
+
+from tests.conftest import ROOT
+
+
+def test_layout_places_contiguous_ranks_on_each_gpu():
+    layout = gs.Layout(gpus=2, ranks_per_gpu=4)
+    assert layout.world_size == 8 and layout.shared and layout.thread_percentage == 25
+    assert [layout.gpu_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    env = layout.rank_env(5, 12345)
+    assert env["RANK"] == env["LOCAL_RANK"] == "5" and env["WORLD_SIZE"] == "8"
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25" and env["EPCOMM_BACKEND"] == "gpu"
+    assert env["EPCOMM_TEST_RANKS_PER_GPU"] == "4" and env["MASTER_PORT"] == "12345"
+
+
+@pytest.mark.parametrize("n, pct", [(1, None), (2, "50"), (3, "33"), (8, "12")])
+def test_thread_percentage_only_when_shared(n, pct):
+    env = gs.Layout(1, n).rank_env(0, 1)
+    assert env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == pct
+
+
+def test_parse_args_defaults_and_pytest_passthrough(monkeypatch):
+    monkeypatch.delenv("RANKS_PER_GPU", raising=False)
+    args, rest = gs.parse_args([])
+    assert args.ranks_per_gpu == 1 and rest == gs.DEFAULT_PYTEST_ARGS
+    args, rest = gs.parse_args(["--ranks-per-gpu", "4", "--timeout", "9", "-k", "x", "tests/a.py"])
+    assert (args.ranks_per_gpu, args.timeout, rest) == (4, 9.0, ["-k", "x", "tests/a.py"])
+    monkeypatch.setenv("RANKS_PER_GPU", "8")
+    assert gs.parse_args([])[0].ranks_per_gpu == 8
+
+
+@pytest.mark.parametrize("argv, message", [(["--ranks-per-gpu", "0"], "between 1 and 100"),
+                                           (["--gpus", "0"], "at least 1")])
+def test_bad_arguments_are_refused(argv, message):
+    with pytest.raises(gs.SessionError, match=message):
+        gs.parse_args(argv)
+
+
+def test_without_mps_it_says_so_and_stops(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))   # no nvidia-cuda-mps-control anywhere
+    daemon = gs.MpsDaemon(str(tmp_path))
+    with pytest.raises(gs.SessionError, match="CUDA MPS is not available"):
+        daemon.start()
+    daemon.stop()   # nothing started: a no-op
+
+
+def test_mps_daemon_is_stopped_after_a_failed_start(monkeypatch, tmp_path):
+    """A control binary that starts but never opens its pipe: start() fails and still sends quit."""
+    fake = tmp_path / gs.MPS_CONTROL
+    calls = tmp_path / "calls"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\ncat >> {calls}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(gs.time, "monotonic", iter(range(0, 1000, 20)).__next__)
+    daemon = gs.MpsDaemon(str(tmp_path))
+    with pytest.raises(gs.SessionError, match="control pipe did not appear"):
+        daemon.start()
+    assert "-d" in calls.read_text() and "quit" in calls.read_text() and not daemon.running
+
+
+def test_the_cli_without_a_gpu_exits_2_with_the_reason():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
+    run = subprocess.run([sys.executable, "-m", "tests.gpu_session", "--gpus", "1", "--ranks-per-gpu",
+                          "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--ranks-per-gpu must be between 1 and 100" in run.stderr
+
+
+LOG = """\
+...s..F
+SKIPPED [3] tests/gpu/test_internode_gpu.py:74: needs at least 2 nodes of 2 ranks (4+ GPUs); this run has 2
+SKIPPED [1] tests/gpu/test_intranode_gpu.py:416: needs 2 or more ranks
+SKIPPED [2] tests/gpu/test_internode_gpu.py:74: needs at least 2 nodes of 2 ranks (4+ GPUs); this run has 2
+FAILED tests/gpu/test_low_latency_gpu.py::test_x - AssertionError
+========== 1 failed, 10 passed, 6 skipped in 12.34s ==========
+"""
+
+
+def test_summary_and_grouped_skip_reasons():
+    assert gs.summarise(LOG) == "1 failed, 10 passed, 6 skipped"
+    assert gs.skip_reasons(LOG) == {
+        "needs at least 2 nodes of 2 ranks (4+ GPUs); this run has 2": 5, "needs 2 or more ranks": 1}
+    assert gs.summarise("Traceback ...\nSegmentation fault").startswith("no pytest summary")
+    killed = gs.summarise("..s.F...\n.ss [ 40%]\n")
+    assert "got through 7 passed, 1 failed, 3 skipped" in killed, killed
+    verbose = gs.summarise("tests/a.py::t[1] PASSED  [ 1%]\ntests/a.py::t[2] FAILED  [ 2%]\n")
+    assert "1 passed, 1 failed" in verbose, verbose
+    assert gs.summarise("3 passed in 1.0s") == "3 passed in 1.0s"
+
+
+# ---- topology helpers ----------------------------------------------------------------------------
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8, 16])
+def test_experts_divide_by_ranks_and_stay_near_the_nominal_count(ranks):
+    for nominal in (16, 64, 256, 288):
+        e = topology.experts(nominal, ranks)
+        assert e % ranks == 0 and e >= ranks and abs(e - nominal) < ranks
+
+
+@pytest.mark.parametrize("ranks, nodes", [(1, []), (2, [(2, 1)]), (3, [(3, 1)]), (4, [(4, 1), (2, 2)]),
+                                          (8, [(8, 1), (4, 2), (2, 4)]), (6, [(6, 1), (3, 2), (2, 3)])])
+def test_internode_topologies_of_a_rank_count(ranks, nodes):
+    assert topology.internode_splits(ranks) == nodes
+
+
+@pytest.mark.parametrize("wanted, available, got", [(24, 132, 24), (24, 32, 24), (48, 32, 32), (48, 14, 14),
+                                                    (8, 13, 8), (20, 13, 12), (2, 1, None)])
+def test_sm_counts_fit_the_partition(wanted, available, got):
+    assert topology.fit_sms(wanted, available) == got
+

@@ -1,0 +1,106 @@
+"""GPU: a cache warmed by the precompile plan for a model's shapes serves that model's Buffer calls
+with no compile (EPCOMM_ASSERT_NO_COMPILE=1 turns any kernel the plan missed into a CompileError).
+Shapes are unusual on purpose (derived from R), so no earlier test in the session has loaded these
+kernels. Run under torchrun (`make test-gpu`); collective."""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from tests.conftest import on_all_ranks
+
+pytestmark = pytest.mark.gpu
+
+
+def _shapes(R: int, L: int, modes):
+    from epcomm.ops.model_kernels import ModelShapes
+    return ModelShapes(hidden=128 * (9 + R), num_topk=3, num_experts=3 * R, num_ranks=R, num_local_ranks=L,
+                       num_max_dispatch_tokens_per_rank=24 + R, dtypes=("bf16", "fp8"), modes=modes,
+                       ll_scales=("float", "pow2", "ue8m0"))
+
+
+def _warm(monkeypatch, device, shapes):
+    """Build the planned kernels into a fresh cache, forget them in-process, forbid compiles."""
+    from epcomm.ops.model_kernels import kernel_sources
+    from epcomm.runtime import cache
+    from epcomm.runtime.arch import device_arch
+    monkeypatch.setenv("EPCOMM_CACHE_DIR", tempfile.mkdtemp(prefix="epcomm-precompile-"))
+    monkeypatch.delenv("EPCOMM_ASSERT_NO_COMPILE", raising=False)
+    arch = device_arch(device.index)
+    for src in kernel_sources(shapes):
+        cache.get_cubin(src, arch.cc, arch.feature)
+    cache.clear_memo()
+    monkeypatch.setenv("EPCOMM_ASSERT_NO_COMPILE", "1")
+
+
+def _run_then_destroy(dist_env, buffer, calls) -> None:
+    """calls() on every rank (a failure on one fails all), then the Buffer destroyed once all are done."""
+    try:
+        on_all_ranks(dist_env, calls)
+    finally:
+        torch.cuda.synchronize()
+        dist_env.barrier()
+        buffer.destroy()
+
+
+def _routing(shapes, num_tokens, device, seed):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(num_tokens, shapes.hidden, generator=gen).to(torch.bfloat16)
+    scores = torch.rand(num_tokens, shapes.num_experts, generator=gen)
+    topk_idx = torch.topk(scores, shapes.num_topk, dim=1).indices
+    return x.to(device), topk_idx.to(device), torch.rand(num_tokens, shapes.num_topk, generator=gen).to(device)
+
+
+def test_normal_mode_calls_hit_the_precompiled_cache(dist_env, monkeypatch):
+    import epcomm
+    R, device = dist_env.world_size, dist_env.device
+    from epcomm.ops.internode_plan import rdma_bytes_needed
+    probe, max_tokens = _shapes(R, R, ("normal",)), 64 + R
+    # RDMA bytes for any ranks per node the machine gives (1 per node needs the most)
+    rdma = rdma_bytes_needed(max_tokens, probe.hidden * 2, probe.hidden // 128, probe.num_topk, R, 1)
+    buffer = epcomm.Buffer(dist_env.group, num_nvl_bytes=epcomm.Config().get_nvl_buffer_size_hint(probe.hidden * 2, R),
+                           num_rdma_bytes=-(-rdma // 128) * 128, explicitly_destroy=True)
+    shapes = _shapes(R, R // buffer.runtime.get_num_rdma_ranks(), ("normal",))
+
+    def calls():
+        _warm(monkeypatch, device, shapes)
+        x, topk_idx, weights = _routing(shapes, max_tokens - dist_env.rank, device, 11 + dist_env.rank)
+        per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, shapes.num_experts)
+        for fp8 in (False, True):
+            payload = x
+            if fp8:
+                from epcomm.fp8 import per_token_cast
+                payload = per_token_cast(x)
+            recv = buffer.dispatch(payload, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                                   is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                   topk_idx=topk_idx, topk_weights=weights)
+            handle = recv[4]
+            buffer.dispatch(payload, handle=handle)                     # cached dispatch
+        recv_x = recv[0][0] if isinstance(recv[0], tuple) else recv[0]
+        buffer.combine(torch.zeros(recv_x.shape, dtype=torch.bfloat16, device=device), handle)
+        torch.cuda.synchronize()
+    _run_then_destroy(dist_env, buffer, calls)
+
+
+def test_low_latency_calls_hit_the_precompiled_cache(dist_env, monkeypatch):
+    import epcomm
+    R, device = dist_env.world_size, dist_env.device
+    shapes = _shapes(R, R, ("low_latency",))
+    T, H, E = shapes.num_max_dispatch_tokens_per_rank, shapes.hidden, shapes.num_experts
+    buffer = epcomm.Buffer(dist_env.group, num_rdma_bytes=epcomm.Buffer.get_low_latency_rdma_size_hint(T, H, R, E),
+                           low_latency_mode=True, explicitly_destroy=True)
+
+    def calls():
+        _warm(monkeypatch, device, shapes)
+        x, topk_idx, weights = _routing(shapes, T - 1, device, 21 + dist_env.rank)
+        for use_fp8, round_scale, use_ue8m0 in ((False, False, False), (True, False, False),
+                                                (True, True, False), (True, True, True)):
+            recv_x, _, handle, _, _ = buffer.low_latency_dispatch(
+                x, topk_idx, T, E, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        data = recv_x[0] if isinstance(recv_x, tuple) else recv_x
+        rows = torch.zeros(data.shape, dtype=torch.bfloat16, device=device)
+        buffer.low_latency_combine(rows, topk_idx, weights, handle)
+        torch.cuda.synchronize()
+    _run_then_destroy(dist_env, buffer, calls)
