@@ -12,7 +12,7 @@ from importlib import metadata
 from typing import Dict, List, Optional, Tuple
 
 COMMON = [("torch", "torch==2.13.0"), ("numpy", "numpy"), ("pytest", "pytest"),
-          ("cuda-pathfinder", "cuda-pathfinder")]
+          ("cuda-pathfinder", "cuda-pathfinder"), ("matplotlib", "matplotlib")]   # matplotlib: bench plots
 # (distribution, requirement) per flavour; the NVSHMEM pin is the GPU image's release.
 FLAVOURS: Dict[str, List[Tuple[str, str]]] = {
     "cu13": [("cuda-bindings", "cuda-bindings>=13,<14"),
