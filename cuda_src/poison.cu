@@ -25,7 +25,7 @@ struct PoisonParams {
     int reserved;
     PoisonTarget targets[kPoisonTargets];
 };
-static_assert(sizeof(PoisonTarget) == 24 && sizeof(PoisonParams) == 160, "mirrored by epcomm.ops.poison");
+static_assert(sizeof(PoisonTarget) == 24 && sizeof(PoisonParams) == 160, "read by epcomm.runtime.cuda_decls");
 
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads) poison_kernel(PoisonParams p) {

@@ -15,37 +15,25 @@ Handle tensors are not touched: a later combine with them must stay within bound
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Dict, Optional
 
 import torch
 
+from ..runtime import cuda_decls
 from ..runtime.compiler import KernelSource
 from ..runtime.module import get_kernel
 from ._common import current_stream as _stream
 
 THREADS = 1024
-MAX_TARGETS = 6
+_DECLS = cuda_decls.header("poison.cu")
+MAX_TARGETS = _DECLS.constant("kPoisonTargets")
+PoisonTarget = _DECLS.struct("PoisonTarget")
+PoisonParams = _DECLS.struct("PoisonParams")
 _NAN_BF16, _NAN_F32, _NAN_FP8, _MINUS_ONE = 0x7FC07FC0, 0x7FC00000, 0x7F7F7F7F, 0xFFFFFFFF
 _PATTERNS: Dict[torch.dtype, int] = {
     torch.bfloat16: _NAN_BF16, torch.float32: _NAN_F32, torch.float8_e4m3fn: _NAN_FP8,
     torch.int32: _MINUS_ONE, torch.int64: _MINUS_ONE,
 }
-
-
-class PoisonTarget(ctypes.Structure):
-    """Mirror of epcomm::PoisonTarget (cuda_src/poison.cu)."""
-    _fields_ = [("data", ctypes.c_void_p), ("bytes", ctypes.c_ulonglong), ("pattern", ctypes.c_uint),
-                ("reserved", ctypes.c_uint)]
-
-
-class PoisonParams(ctypes.Structure):
-    """Mirror of epcomm::PoisonParams (cuda_src/poison.cu)."""
-    _fields_ = [("err", ctypes.c_void_p), ("num_targets", ctypes.c_int), ("reserved", ctypes.c_int),
-                ("targets", PoisonTarget * MAX_TARGETS)]
-
-
-assert ctypes.sizeof(PoisonParams) == 160, "PoisonParams must match cuda_src/poison.cu"
 
 
 def poison_source() -> KernelSource:

@@ -113,8 +113,10 @@ class Header:
     # ---- structs -------------------------------------------------------------------------------
     @functools.lru_cache(maxsize=None)
     def struct(self, name: str) -> type:
-        """A ctypes.Structure subclass with the fields of `struct name` in order (pointers as void *);
-        ctypes pads and aligns as the C++ compiler does, so no padding fields are written."""
+        """A ctypes.Structure subclass with the fields of `struct name` in order (pointers as void *,
+        a field of a struct type of this header as that struct's mirror, `T f[N]` with N a literal or
+        a constant as an array); ctypes pads and aligns as the C++ compiler does, so no padding
+        fields are written."""
         body = self._structs.get(name)
         if body is None:
             raise self._fail(f"no struct {name}")
@@ -123,8 +125,18 @@ class Header:
             decl = " ".join(decl.split())
             if not decl:
                 continue
+            array = re.fullmatch(r"(\w[\w ]*?) (\w+) ?\[ ?(\w+) ?\]", decl)
+            if array:
+                base, field, bound = array.groups()
+                count = int(bound) if bound.isdigit() else self.constant(bound)
+                element = _SCALARS.get(base) or (self.struct(base) if base in self._structs else None)
+                if element is None:
+                    raise self._fail(f"struct {name}: field {field} has type {base!r}, not mirrored")
+                fields.append((field, element * count))
+                continue
             if "(" in decl or "[" in decl or "constexpr" in decl:
-                raise self._fail(f"struct {name}: only scalar and pointer fields are mirrored, got {decl!r}")
+                raise self._fail(f"struct {name}: only scalar, pointer, struct and array fields are "
+                                 f"mirrored, got {decl!r}")
             first, *rest = decl.split(",")
             words = first.replace("*", " * ").split()
             base = " ".join(w for w in words[:-1] if w not in ("const", "*"))
@@ -134,6 +146,8 @@ class Header:
                     fields.append((field, ctypes.c_void_p))
                 elif base in _SCALARS:
                     fields.append((field, _SCALARS[base]))
+                elif base in self._structs:
+                    fields.append((field, self.struct(base)))
                 else:
                     raise self._fail(f"struct {name}: field {field} has type {base!r}, not mirrored")
         return type(name, (ctypes.Structure,), {"_fields_": fields, "__doc__": f"Mirror of {name} ({self.path})."})

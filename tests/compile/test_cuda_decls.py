@@ -76,12 +76,33 @@ def test_constants_members_and_enums(demo):
 
 
 def test_unsupported_fields_are_refused(tmp_path):
-    (tmp_path / "bad.cuh").write_text("struct P { int a[4]; };\nstruct Q { Thing t; };\n")
+    (tmp_path / "bad.cuh").write_text("struct P { int f(int); };\nstruct Q { Thing t; };\n"
+                                      "struct R { Thing t[2]; };\n")
     bad = cuda_decls.header("bad.cuh", str(tmp_path))
-    with pytest.raises(ValueError, match="only scalar and pointer"):
+    with pytest.raises(ValueError, match="only scalar, pointer, struct and array"):
         bad.struct("P")
     with pytest.raises(ValueError, match="'Thing', not mirrored"):
         bad.struct("Q")
+    with pytest.raises(ValueError, match="'Thing', not mirrored"):
+        bad.struct("R")
+
+
+def test_struct_and_array_fields(tmp_path):
+    (tmp_path / "nest.cuh").write_text("constexpr int kSlots = 3;\n"
+                                       "struct Slot { void *data; unsigned int n; };\n"
+                                       "struct Table { int count; Slot slots[kSlots]; int tail[2]; Slot last; };\n")
+    table = cuda_decls.header("nest.cuh", str(tmp_path)).struct("Table")
+    kinds = dict(table._fields_)
+    assert [name for name, _ in table._fields_] == ["count", "slots", "tail", "last"]
+    assert kinds["slots"]._length_ == 3 and ctypes.sizeof(kinds["slots"]) == 3 * 16
+    assert kinds["tail"]._length_ == 2 and ctypes.sizeof(table) == 8 + 48 + 8 + 16
+    assert table.slots.offset == 8 and table.last.offset == 64
+
+
+def test_poison_params_come_from_its_source():
+    from epcomm.ops import poison
+    assert ctypes.sizeof(poison.PoisonParams) == 160 and poison.MAX_TARGETS == 6
+    assert [name for name, _ in poison.PoisonParams._fields_] == ["err", "num_targets", "reserved", "targets"]
 
 
 def test_every_params_struct_is_read_without_padding_fields():
