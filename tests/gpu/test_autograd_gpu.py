@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from tests.helpers import autograd as scenarios
+from tests.helpers.gpu import BufferPool
 from tests.conftest import on_all_ranks
 
 pytestmark = pytest.mark.gpu
 
-_BUFFERS = {}
+_POOL = BufferPool()
 
 
 def _sm_count(dist_env) -> int:
@@ -37,28 +38,24 @@ def _cases(dist_env):
 def _buffer(dist_env, low_latency: bool, max_tokens: int = 0, hidden: int = 0):
     import epcomm
     r = dist_env.world_size
-    key = (low_latency, max_tokens, hidden)
-    if key not in _BUFFERS:
+
+    def build():
         if low_latency:
             e = scenarios.LOCAL_EXPERTS * r
             size = epcomm.Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, r, e)
-            _BUFFERS[key] = epcomm.Buffer(dist_env.group, 0, size, low_latency_mode=True,
-                                          num_qps_per_rank=scenarios.LOCAL_EXPERTS, explicitly_destroy=True)
-        else:
-            hidden_bytes = 1024 * 2   # the largest case
-            size = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, r) for cfg in
-                       (epcomm.Buffer.get_dispatch_config(r), epcomm.Buffer.get_combine_config(r)))
-            _BUFFERS[key] = epcomm.Buffer(dist_env.group, size, explicitly_destroy=True)
-    return _BUFFERS[key]
+            return epcomm.Buffer(dist_env.group, 0, size, low_latency_mode=True,
+                                 num_qps_per_rank=scenarios.LOCAL_EXPERTS, explicitly_destroy=True)
+        hidden_bytes = 1024 * 2   # the largest case
+        size = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, r) for cfg in
+                   (epcomm.Buffer.get_dispatch_config(r), epcomm.Buffer.get_combine_config(r)))
+        return epcomm.Buffer(dist_env.group, size, explicitly_destroy=True)
+    return _POOL.get((low_latency, max_tokens, hidden), build)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _destroy_buffers():
     yield
-    torch.cuda.synchronize()
-    for buf in _BUFFERS.values():
-        buf.destroy()
-    _BUFFERS.clear()
+    _POOL.destroy_all()
 
 
 @pytest.mark.parametrize("case", ["small", "channels"])

@@ -16,14 +16,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import pytest
 import torch
 
 from epcomm.ops.low_latency_layout import RECORD_BYTES, Layout
 from tests import topology
-from tests.helpers.gpu import calc_diff
+from tests.helpers.gpu import BufferPool, calc_diff
 
 pytestmark = pytest.mark.gpu
 # Expert counts near the nominal ones that the session's rank count divides.
@@ -99,31 +99,29 @@ def _expert_scale(experts: torch.Tensor) -> torch.Tensor:
     return torch.pow(2.0, (experts % 3).float())
 
 
-_BUFFERS: Dict[tuple, object] = {}
+_POOL = BufferPool()
 
 
 def _buffer(dist_env, shapes=(TARGET,), env: Optional[dict] = None, **flags):
     """A Buffer with these flags, big enough for every (T, H, E) in `shapes`, shared by tests."""
     import epcomm
     key = (tuple(sorted(flags.items())), tuple(sorted((env or {}).items())))
-    if key not in _BUFFERS:
+
+    def build():
         size = max(epcomm.Buffer.get_low_latency_rdma_size_hint(s["T"], s["H"], dist_env.world_size, s["E"])
                    for s in shapes)
         with pytest.MonkeyPatch.context() as patch:
             for name, value in (env or {}).items():
                 patch.setenv(name, str(value))
-            _BUFFERS[key] = epcomm.Buffer(dist_env.group, num_rdma_bytes=size, low_latency_mode=True,
-                                          explicitly_destroy=True, **flags)
-    return _BUFFERS[key]
+            return epcomm.Buffer(dist_env.group, num_rdma_bytes=size, low_latency_mode=True,
+                                 explicitly_destroy=True, **flags)
+    return _POOL.get(key, build)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _destroy_buffers():
     yield
-    torch.cuda.synchronize()
-    for buf in _BUFFERS.values():
-        buf.destroy()
-    _BUFFERS.clear()
+    _POOL.destroy_all()
 
 
 def _first_mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -773,9 +771,7 @@ def test_peer_timeout_names_the_peer(dist_env):
     finally:
         # Both ranks saw a failure, so teardown skips collectives on both; the peers are alive
         # here, so let later tests tear down normally (as tests/gpu/test_runtime_gpu.py does).
-        for key, b in list(_BUFFERS.items()):
-            if b is buf:
-                del _BUFFERS[key]
+        _POOL.forget(buf)
         torch.cuda.synchronize()
         world = Nvshmem.init(dist_env.group, dist_env.device_index)
         world.peer_failed = True     # this rank's Buffer may not have seen the failure itself

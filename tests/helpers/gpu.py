@@ -151,3 +151,26 @@ def combine_inputs(inputs, rank_count, num_experts, data: Optional[List[Inputs]]
         xs.append((want["recv_x"].float() * (r + 1)).to(torch.bfloat16))
         ws.append(want["recv_topk_weights"])
     return xs, ws
+
+
+class BufferPool:
+    """The Buffers the tests of one module share: built on first use per key, destroyed together
+    at the module's end (a module-scoped fixture calls destroy_all)."""
+
+    def __init__(self):
+        self._buffers = {}
+
+    def get(self, key, build):
+        if key not in self._buffers:
+            self._buffers[key] = build()
+        return self._buffers[key]
+
+    def forget(self, buf) -> None:
+        """Stop managing `buf` (a test that tears it down itself)."""
+        self._buffers = {k: b for k, b in self._buffers.items() if b is not buf}
+
+    def destroy_all(self) -> None:
+        torch.cuda.synchronize()
+        for buf in self._buffers.values():
+            buf.destroy()
+        self._buffers.clear()
