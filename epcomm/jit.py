@@ -2,6 +2,7 @@
 
     python -m epcomm.jit --precompile --arch sm_80,sm_90 [--jobs N]
     python -m epcomm.jit --precompile --arch sm_90 --shapes model.json
+    python -m epcomm.jit --rebuild OLD_CACHE_DIR [--jobs N]
     python -m epcomm.jit --precompile --arch sm_90 --hidden 7168 --num-topk 8 --num-experts 256 \
         --num-ranks 16 --num-local-ranks 8 --num-max-dispatch-tokens-per-rank 128 --dtypes bf16,fp8
 
@@ -10,8 +11,10 @@ Without shapes it builds every registered kernel family's representative sources
 model's shapes (a JSON or TOML file of epcomm.ops.model_kernels.ModelShapes fields, or the options
 below) it builds exactly the kernels that model's Buffer calls will compile, for the feature set
 they will use (EPCOMM_ARCH applies), so a cache (EPCOMM_CACHE_DIR) warmed in a container build
-serves the first calls without compiling. One line per build with its times; exit status 1 if any
-failed.
+serves the first calls without compiling. --rebuild builds again every specialisation recorded in
+the entries of a cache directory (any sources or toolchain built them) into EPCOMM_CACHE_DIR with
+the current sources and toolchain: a warm cache survives an upgrade. One line per build with its
+times; exit status 1 if any failed.
 """
 from __future__ import annotations
 
@@ -79,10 +82,22 @@ def model_tasks(archs: List[int], models) -> list:
     return tasks
 
 
-def precompile(archs: List[int], jobs: int, models=None) -> int:
+def rebuild_tasks(directory: str) -> list:
+    """(label, (source, arch, feature)) for every recipe recorded in a cache directory."""
+    from .runtime import cache
+    return [("rebuild", task) for task in cache.recipes(directory)]
+
+
+def precompile(archs: List[int], jobs: int, models=None, rebuild_from=None) -> int:
     from .runtime import toolchain
     print(f"epcomm.jit: {toolchain.describe()}", flush=True)
-    tasks = registry_tasks(archs) if models is None else model_tasks(archs, models)
+    if rebuild_from is not None:
+        tasks = rebuild_tasks(rebuild_from)
+    else:
+        tasks = registry_tasks(archs) if models is None else model_tasks(archs, models)
+    if not tasks:
+        print("epcomm.jit: nothing to build", flush=True)
+        return 0
     jobs = max(1, min(jobs, len(tasks)))
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -119,6 +134,8 @@ def main(argv=None) -> int:
     parser.add_argument("--precompile", action="store_true",
                         help="build kernels into the cache: the model's (shape options) or "
                              "every registered family's")
+    parser.add_argument("--rebuild", metavar="DIR",
+                        help="build every specialisation recorded in DIR's cache entries again")
     parser.add_argument("--arch", type=_parse_archs, default=[80, 90],
                         help="comma-separated compile targets (default sm_80,sm_90)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
@@ -129,6 +146,10 @@ def main(argv=None) -> int:
     for name, metavar, help_text in _SHAPE_OPTIONS:
         shapes.add_argument(f"--{name.replace('_', '-')}", dest=name, metavar=metavar, help=help_text)
     args = parser.parse_args(argv)
+    if args.rebuild is not None:
+        if args.precompile:
+            parser.error("--rebuild and --precompile are separate jobs: give one")
+        return precompile(args.arch, args.jobs, rebuild_from=args.rebuild)
     if not args.precompile:
         parser.print_help()
         return 2

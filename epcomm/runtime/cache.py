@@ -7,7 +7,9 @@ link mode) and the toolchain versions (NVRTC, nvJitLink, NVSHMEM, CUDA runtime a
 No absolute path enters the key: a cache built in one environment (a container build, another
 venv) serves any other with the same sources and versions.
 
-Entry = one file: magic, JSON header (key, lowered names), cubin, sha256 of all that. It is written
+Entry = one file: magic, JSON header (key, lowered names, the recipe: source, kernels, defines,
+arch, feature), cubin, sha256 of all that. The recipe lets `python -m epcomm.jit --rebuild DIR`
+build the same specialisations again after the sources or the toolchain changed. It is written
 to a temp file in the same directory and renamed over the entry (atomic), under a per-key flock so
 that N ranks starting together compile once; a torn or corrupt entry reads as a miss and is
 replaced. EPCOMM_ASSERT_NO_COMPILE=1 turns a miss into an error (tests prove warm paths with it).
@@ -22,7 +24,7 @@ import struct
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .. import env
 from ..errors import CompileError
@@ -81,7 +83,7 @@ def get_cubin(src: KernelSource, arch_sm: int, feature: int) -> CompiledCubin:
             hit = read_entry(path, key)   # another rank may have built it while we waited
             if hit is None:
                 hit = compiler.compile_plan(plan)
-                write_entry(path, key, hit)
+                write_entry(path, key, hit, recipe(src, arch_sm, feature))
     else:
         compiler.verbose(f"cache hit {plan.describe()}: {time.perf_counter() - t0:.3f} s ({path})")
     _MEMO[key] = hit
@@ -97,8 +99,46 @@ def clear_memo() -> None:
 # ---------------------------------------------------------------------------------------------
 # Entry format
 # ---------------------------------------------------------------------------------------------
-def _encode(key: str, compiled: CompiledCubin) -> bytes:
-    header = json.dumps({"key": key, "lowered": compiled.lowered}, sort_keys=True).encode()
+def recipe(src: KernelSource, arch_sm: int, feature: int) -> dict:
+    """What get_cubin was asked for, as JSON: enough to ask again (see recipes())."""
+    return {"source": src.source, "kernels": list(src.kernels),
+            "defines": [[k, v] for k, v in src.defines], "uses_nvshmem": src.uses_nvshmem,
+            "arch_sm": arch_sm, "feature": feature}
+
+
+def recipes(directory: Path) -> List[Tuple[KernelSource, int, int]]:
+    """The (source, arch, feature) of every whole entry under `directory` (a cache dir or its
+    cubin/ folder), whatever sources or toolchain built it, each once, in name order."""
+    directory = Path(directory)
+    folder = directory / "cubin" if (directory / "cubin").is_dir() else directory
+    found = {}
+    for path in sorted(folder.glob("*.bin")):
+        header = _read_header(path)
+        r = header.get("recipe") if header else None
+        if not r:
+            continue
+        src = KernelSource(r["source"], tuple(r["kernels"]),
+                           tuple((k, v) for k, v in r["defines"]), bool(r["uses_nvshmem"]))
+        found.setdefault((src, r["arch_sm"], r["feature"]), None)
+    return list(found)
+
+
+def _read_header(path: Path) -> Optional[dict]:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if not data.startswith(_FORMAT) or hashlib.sha256(data[:-32]).digest() != data[-32:]:
+        return None
+    (header_len,) = struct.unpack_from("<I", data, len(_FORMAT))
+    return json.loads(data[len(_FORMAT) + 4:len(_FORMAT) + 4 + header_len])
+
+
+def _encode(key: str, compiled: CompiledCubin, recipe_: Optional[dict] = None) -> bytes:
+    fields = {"key": key, "lowered": compiled.lowered}
+    if recipe_ is not None:
+        fields["recipe"] = recipe_
+    header = json.dumps(fields, sort_keys=True).encode()
     body = (_FORMAT + struct.pack("<I", len(header)) + header
             + struct.pack("<Q", len(compiled.cubin)) + compiled.cubin)
     return body + hashlib.sha256(body).digest()
@@ -126,13 +166,14 @@ def read_entry(path: Path, key: str) -> Optional[CompiledCubin]:
     return CompiledCubin(bytes(cubin), dict(header["lowered"]), from_cache=True)
 
 
-def write_entry(path: Path, key: str, compiled: CompiledCubin) -> None:
+def write_entry(path: Path, key: str, compiled: CompiledCubin,
+                recipe_: Optional[dict] = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.chmod(tmp, 0o644)   # mkstemp makes 0600; other users of a shared cache may read
         with os.fdopen(fd, "wb") as f:
-            f.write(_encode(key, compiled))
+            f.write(_encode(key, compiled, recipe_))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -211,3 +211,23 @@ def test_key_has_no_install_path(tree, tmp_path, monkeypatch):
     assert _key_in(monkeypatch, _fake_install(tmp_path / "c", cudart=13000)) != key
     assert _key_in(monkeypatch, _fake_install(tmp_path / "d", cccl=3001000)) != key
     assert _key_in(monkeypatch, _fake_install(tmp_path / "e", nvshmem=(3, 5, 0))) != key
+
+
+def test_entries_record_recipes_and_rebuild_serves_edited_sources(tree, tmp_path, monkeypatch):
+    from epcomm import jit
+    other = KernelSource("probe.cu", ("epcomm::fill<5, int>",), defines=(("X", 1),))
+    cache.get_cubin(SRC, 90, 90)
+    cache.get_cubin(other, 80, 80)
+    old_dir = tmp_path / "cache"
+    assert cache.recipes(old_dir) == sorted([(SRC, 90, 90), (other, 80, 80)],
+                                            key=lambda r: entry_of(*r)[0].name)
+    # After an edit every old key misses; --rebuild builds the recorded set into a new cache.
+    with compiler.cuda_src_override(make_tree(tmp_path / "edited", edit_header=True)):
+        cache.clear_memo()
+        monkeypatch.setenv("EPCOMM_CACHE_DIR", str(tmp_path / "new"))
+        assert jit.precompile([90], jobs=1, rebuild_from=str(old_dir)) == 0
+        cache.clear_memo()
+        monkeypatch.setenv("EPCOMM_ASSERT_NO_COMPILE", "1")
+        assert cache.get_cubin(SRC, 90, 90).from_cache
+        assert cache.get_cubin(other, 80, 80).from_cache
+    assert jit.precompile([90], jobs=1, rebuild_from=str(tmp_path / "empty")) == 0   # nothing to do
