@@ -100,7 +100,9 @@ def pytest_runtest_logreport(report):
         sys.stdout.flush()
 
 
+@pytest.hookimpl(trylast=True)   # after -k / -m deselection: split what is really selected
 def pytest_collection_modifyitems(config, items):
+    _keep_this_jobs_share(config, items)
     reason = _gpu_skip_reason()
     if reason is None:
         return
@@ -108,6 +110,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(marker)
+
+
+def _keep_this_jobs_share(config, items) -> None:
+    """EPCOMM_TEST_SPLIT=j/J (tests.gpu_session --jobs J): run every J-th collected test from the
+    j-th on. Collection order is the same on every rank, so a job's ranks run the same tests."""
+    split = os.environ.get("EPCOMM_TEST_SPLIT")
+    if not split:
+        return
+    job, jobs = (int(v) for v in split.split("/"))
+    if not 0 <= job < jobs:
+        raise pytest.UsageError(f"EPCOMM_TEST_SPLIT={split}: expected j/J with 0 <= j < J")
+    kept = [item for i, item in enumerate(items) if i % jobs == job]
+    dropped = [item for i, item in enumerate(items) if i % jobs != job]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
 
 
 class DistEnv:
@@ -123,7 +141,8 @@ class DistEnv:
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.ranks_per_gpu = int(os.environ.get("EPCOMM_TEST_RANKS_PER_GPU", "1"))
         self.device_index = self.local_rank // self.ranks_per_gpu
-        self.shared_gpu = self.ranks_per_gpu > 1
+        # Shared with other ranks of this group, or with other jobs' processes (tests.gpu_session).
+        self.shared_gpu = self.ranks_per_gpu > 1 or os.environ.get("EPCOMM_TEST_SHARED_GPU") == "1"
         torch.cuda.set_device(self.device_index)
         self.device = torch.device("cuda", self.device_index)
         if not dist.is_initialized():

@@ -1,7 +1,7 @@
 """Run the GPU test suite with one or several ranks per GPU: `python -m tests.gpu_session`.
 
-    python -m tests.gpu_session [--ranks-per-gpu N] [--gpus G] [--timeout S] [--log-dir DIR]
-                                [pytest arguments ...]
+    python -m tests.gpu_session [--ranks-per-gpu N] [--gpus G] [--jobs J] [--timeout S]
+                                [--log-dir DIR] [pytest arguments ...]
 
 With N = 1 this is torchrun with one rank per GPU over NCCL (what `make test-gpu` always ran). With
 N > 1 the G x N ranks share the G GPUs under CUDA MPS: the control daemon is started in a private
@@ -10,6 +10,11 @@ CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 // N so all ranks' grids are resident to
 device then reports only its share of the SMs), the ranks bootstrap over gloo (NCCL refuses two ranks
 on one GPU) and EPCOMM_BACKEND=gpu forces the GPU backend, which would otherwise pick the CPU backend
 for a gloo group. Timings under MPS are not performance figures: correctness only.
+
+--jobs J runs J independent groups of G x N ranks at once, each on every J-th collected test (the
+same order on every rank), all under one MPS daemon with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE =
+100 // (N x J): a cold JIT cache (each new shape compiles for seconds, one build at a time per
+group) then spreads over the host's cores. Logs go to DIR/job<j>/ then.
 
 Each rank's output goes to DIR/rank<r>.log (rank 0's also to the terminal); the end prints one line
 per rank and rank 0's skip reasons grouped. Exit status: 0 when every rank's pytest passed.
@@ -48,23 +53,26 @@ class Layout:
     contiguous in the group, as epcomm's NVLink / RDMA split requires)."""
     gpus: int
     ranks_per_gpu: int
+    jobs: int = 1
 
     @property
     def world_size(self) -> int:
+        """Ranks of one job's group."""
         return self.gpus * self.ranks_per_gpu
 
     @property
     def shared(self) -> bool:
-        return self.ranks_per_gpu > 1
+        """Several processes on each GPU (ranks of one group, or of concurrent jobs): MPS."""
+        return self.ranks_per_gpu * self.jobs > 1
 
     @property
     def thread_percentage(self) -> int:
-        return 100 // self.ranks_per_gpu
+        return 100 // (self.ranks_per_gpu * self.jobs)
 
     def gpu_of(self, rank: int) -> int:
         return rank // self.ranks_per_gpu
 
-    def rank_env(self, rank: int, master_port: int) -> Dict[str, str]:
+    def rank_env(self, rank: int, master_port: int, job: int = 0) -> Dict[str, str]:
         """Environment of one rank, on top of the caller's (torchrun's names, so conftest reads
         them the same way in both modes)."""
         env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
@@ -73,6 +81,9 @@ class Layout:
                "EPCOMM_BACKEND": "gpu", "EPCOMM_TEST_REPORT_AT_ONCE": "1"}
         if self.shared:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.thread_percentage)
+            env["EPCOMM_TEST_SHARED_GPU"] = "1"
+        if self.jobs > 1:
+            env["EPCOMM_TEST_SPLIT"] = f"{job}/{self.jobs}"
         return env
 
 
@@ -80,12 +91,17 @@ def parse_args(argv: Sequence[str]):
     parser = argparse.ArgumentParser(prog="python -m tests.gpu_session", description=__doc__.split("\n")[0])
     parser.add_argument("--ranks-per-gpu", type=int, default=int(os.environ.get("RANKS_PER_GPU", "1") or 1))
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
+    parser.add_argument("--jobs", type=int, default=int(os.environ.get("GPU_TEST_JOBS", "1") or 1),
+                        help="independent groups of ranks run at once, each on every J-th test")
     parser.add_argument("--timeout", type=float, default=float(os.environ.get("GPU_TEST_TIMEOUT", "3000")),
                         help="seconds for the whole run; then every rank is killed")
     parser.add_argument("--log-dir", default=None, help="per-rank logs (default: a temporary directory)")
     args, pytest_args = parser.parse_known_args(argv)
     if args.ranks_per_gpu < 1 or args.ranks_per_gpu > 100:
         raise SessionError(f"--ranks-per-gpu must be between 1 and 100, got {args.ranks_per_gpu}")
+    if args.jobs < 1 or args.ranks_per_gpu * args.jobs > 100:
+        raise SessionError(f"--jobs must be at least 1 and ranks-per-gpu x jobs at most 100, got "
+                           f"{args.jobs} x {args.ranks_per_gpu}")
     if args.gpus is not None and args.gpus < 1:
         raise SessionError(f"--gpus must be at least 1, got {args.gpus}")
     if pytest_args and pytest_args[0] == "--":
@@ -164,11 +180,18 @@ class MpsDaemon:
 
 
 # ---- the ranks ----------------------------------------------------------------------------------
-def launch(layout: Layout, pytest_args: List[str], log_dir: str, extra_env: Dict[str, str]):
+def job_log_dir(layout: Layout, log_dir: str, job: int) -> str:
+    return log_dir if layout.jobs == 1 else os.path.join(log_dir, f"job{job}")
+
+
+def launch(layout: Layout, pytest_args: List[str], log_dir: str, extra_env: Dict[str, str],
+           job: int = 0):
+    """One job's group: its ranks' processes, logging to `log_dir` (that job's folder)."""
     port = free_port()
     procs = []
+    os.makedirs(log_dir, exist_ok=True)
     for rank in range(layout.world_size):
-        env = dict(os.environ, **SAFE_ENV, **extra_env, **layout.rank_env(rank, port))
+        env = dict(os.environ, **SAFE_ENV, **extra_env, **layout.rank_env(rank, port, job))
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else ROOT
         log = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
         cmd = [sys.executable, "-m", "pytest", *pytest_args]
@@ -192,38 +215,44 @@ def kill_all(procs) -> None:
             pass
 
 
-def wait_all(procs, log_dir: str, timeout: float) -> List[Optional[int]]:
-    """Wait for every rank, echoing rank 0's log; a rank that fails while others still run is given
-    a grace period (its peers' collective waits are bounded), then everything left is killed."""
+def wait_all(jobs, echo_log: str, timeout: float) -> List[List[Optional[int]]]:
+    """Wait for every rank of every job (a list of process lists), echoing `echo_log`; a job with a
+    rank that failed while its others still run is given a grace period (its peers' collective
+    waits are bounded), then that job's ranks are killed; at the deadline everything is."""
     deadline = time.monotonic() + timeout
-    echo = open(os.path.join(log_dir, "rank0.log"))
-    first_failure_at = None
+    echo = open(echo_log)
+    failed_at: Dict[int, float] = {}
     try:
         while True:
             chunk = echo.read()
             if chunk:
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
-            codes = [p.poll() for p, _ in procs]
-            if all(c is not None for c in codes):
+            running = False
+            for j, procs in enumerate(jobs):
+                codes = [p.poll() for p, _ in procs]
+                if any(c is None for c in codes):
+                    running = True
+                    if j not in failed_at and any(c not in (None, 0) for c in codes):
+                        failed_at[j] = time.monotonic()
+                    if j in failed_at and time.monotonic() - failed_at[j] > 120:
+                        print(f"\ngpu_session: a rank of job {j} exited with failure 120 s ago and "
+                              f"others still run; killing them", flush=True)
+                        kill_all(procs)
+            if not running:
                 break
-            if first_failure_at is None and any(c not in (None, 0) for c in codes):
-                first_failure_at = time.monotonic()
             if time.monotonic() > deadline:
                 print(f"\ngpu_session: timed out after {timeout:.0f} s; killing every rank", flush=True)
-                break
-            if first_failure_at is not None and time.monotonic() - first_failure_at > 120:
-                print("\ngpu_session: a rank exited with failure 120 s ago and others still run; "
-                      "killing them", flush=True)
                 break
             time.sleep(0.2)
         sys.stdout.write(echo.read())
     finally:
         echo.close()
-        kill_all(procs)
-        for _, log in procs:
-            log.close()
-    return [p.returncode for p, _ in procs]
+        for procs in jobs:
+            kill_all(procs)
+            for _, log in procs:
+                log.close()
+    return [[p.returncode for p, _ in procs] for procs in jobs]
 
 
 _SUMMARY = re.compile(r"=+ (.*(?:passed|failed|skipped|error|deselected|no tests ran).*?) (?:in [0-9.]+s.*)?=+\s*$")
@@ -272,19 +301,34 @@ def skip_reasons(log_text: str) -> Dict[str, int]:
     return dict(counts)
 
 
-def report(layout: Layout, codes: List[Optional[int]], log_dir: str) -> int:
+_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected)")
+
+
+def report(layout: Layout, codes: List[List[Optional[int]]], log_dir: str) -> int:
+    jobs = f", {layout.jobs} jobs at once" if layout.jobs > 1 else ""
     print(f"\n===== gpu_session: {layout.world_size} ranks on {layout.gpus} GPU(s), "
-          f"{layout.ranks_per_gpu} per GPU{' under MPS' if layout.shared else ''}; logs in {log_dir}")
-    for rank, code in enumerate(codes):
-        with open(os.path.join(log_dir, f"rank{rank}.log"), errors="replace") as f:
-            print(f"rank {rank} (GPU {layout.gpu_of(rank)}): exit {code}: {summarise(f.read())}")
-    with open(os.path.join(log_dir, "rank0.log"), errors="replace") as f:
-        reasons = skip_reasons(f.read())
+          f"{layout.ranks_per_gpu} per GPU{jobs}{' under MPS' if layout.shared else ''}; logs in {log_dir}")
+    reasons: Dict[str, int] = collections.Counter()
+    totals: Dict[str, int] = collections.Counter()
+    for job, job_codes in enumerate(codes):
+        folder = job_log_dir(layout, log_dir, job)
+        for rank, code in enumerate(job_codes):
+            with open(os.path.join(folder, f"rank{rank}.log"), errors="replace") as f:
+                text = f.read()
+            summary = summarise(text)
+            where = f"job {job} " if layout.jobs > 1 else ""
+            print(f"{where}rank {rank} (GPU {layout.gpu_of(rank)}): exit {code}: {summary}")
+            if rank == 0:
+                reasons.update(skip_reasons(text))
+                for n, what in _COUNT.findall(summary):
+                    totals[what.rstrip("s") if what.startswith("error") else what] += int(n)
+    if layout.jobs > 1:
+        print("rank 0 of all jobs: " + (", ".join(f"{n} {w}" for w, n in totals.items()) or "nothing"))
     if reasons:
         print("skips on rank 0, by reason:")
         for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
             print(f"  {n:4d}  {reason}")
-    return 0 if all(c == 0 for c in codes) else 1
+    return 0 if all(c == 0 for job_codes in codes for c in job_codes) else 1
 
 
 def main(argv: Sequence[str]) -> int:
@@ -293,7 +337,7 @@ def main(argv: Sequence[str]) -> int:
         gpus = args.gpus if args.gpus is not None else visible_gpus()
         if gpus < 1:
             raise SessionError("no CUDA GPU found: the GPU suite needs one (CPU tests: make test)")
-        layout = Layout(gpus, args.ranks_per_gpu)
+        layout = Layout(gpus, args.ranks_per_gpu, args.jobs)
     except SessionError as e:
         print(f"gpu_session: {e}", file=sys.stderr)
         return 2
@@ -301,7 +345,7 @@ def main(argv: Sequence[str]) -> int:
     log_dir = args.log_dir or workdir
     os.makedirs(log_dir, exist_ok=True)
     mps = MpsDaemon(workdir)
-    procs = []
+    jobs = []
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -312,8 +356,9 @@ def main(argv: Sequence[str]) -> int:
         if layout.shared:
             mps.start()
             extra_env.update(mps.env)
-        procs = launch(layout, pytest_args, log_dir, extra_env)
-        codes = wait_all(procs, log_dir, args.timeout)
+        jobs = [launch(layout, pytest_args, job_log_dir(layout, log_dir, j), extra_env, j)
+                for j in range(layout.jobs)]
+        codes = wait_all(jobs, os.path.join(job_log_dir(layout, log_dir, 0), "rank0.log"), args.timeout)
         return report(layout, codes, log_dir)
     except SessionError as e:
         print(f"gpu_session: {e}", file=sys.stderr)
@@ -322,7 +367,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"gpu_session: interrupted ({e}); stopping the ranks and MPS", file=sys.stderr)
         return 130
     finally:
-        kill_all(procs)
+        for procs in jobs:
+            kill_all(procs)
         mps.stop()
         for s, handler in old.items():
             signal.signal(s, handler)

@@ -30,6 +30,18 @@ def test_thread_percentage_only_when_shared(n, pct):
     assert env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == pct
 
 
+def test_concurrent_jobs_share_the_gpu_under_mps_and_split_the_tests():
+    layout = gs.Layout(gpus=1, ranks_per_gpu=2, jobs=4)
+    assert layout.world_size == 2 and layout.shared and layout.thread_percentage == 12
+    env = layout.rank_env(1, 5, job=3)
+    assert env["EPCOMM_TEST_SPLIT"] == "3/4" and env["EPCOMM_TEST_SHARED_GPU"] == "1"
+    assert env["EPCOMM_TEST_RANKS_PER_GPU"] == "2"
+    single = gs.Layout(1, 1, jobs=3)       # one rank per job, still three processes per GPU
+    assert single.shared and single.thread_percentage == 33
+    assert "EPCOMM_TEST_SPLIT" not in gs.Layout(1, 1).rank_env(0, 1)
+    assert "EPCOMM_TEST_SHARED_GPU" not in gs.Layout(1, 1).rank_env(0, 1)
+
+
 def test_parse_args_defaults_and_pytest_passthrough(monkeypatch):
     monkeypatch.delenv("RANKS_PER_GPU", raising=False)
     args, rest = gs.parse_args([])
@@ -41,7 +53,9 @@ def test_parse_args_defaults_and_pytest_passthrough(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [(["--ranks-per-gpu", "0"], "between 1 and 100"),
-                                           (["--gpus", "0"], "at least 1")])
+                                           (["--gpus", "0"], "at least 1"),
+                                           (["--jobs", "0"], "--jobs must be at least 1"),
+                                           (["--jobs", "20", "--ranks-per-gpu", "8"], "at most 100")])
 def test_bad_arguments_are_refused(argv, message):
     with pytest.raises(gs.SessionError, match=message):
         gs.parse_args(argv)
@@ -74,6 +88,29 @@ def test_the_cli_without_a_gpu_exits_2_with_the_reason():
     run = subprocess.run([sys.executable, "-m", "tests.gpu_session", "--gpus", "1", "--ranks-per-gpu",
                           "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--ranks-per-gpu must be between 1 and 100" in run.stderr
+
+
+def test_jobs_run_disjoint_shares_that_cover_the_selection(monkeypatch, tmp_path):
+    """Two jobs under a stand-in MPS daemon run a 7-case CPU selection: 4 + 3 cases, each once."""
+    fake = tmp_path / "bin" / gs.MPS_CONTROL
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\n[ "$1" = "-d" ] && touch "$CUDA_MPS_PIPE_DIRECTORY/control"\ncat >/dev/null\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    logs = tmp_path / "logs"
+    code = gs.main(["--gpus", "1", "--jobs", "2", "--timeout", "300", "--log-dir", str(logs), "-q",
+                    "-p", "no:cacheprovider", "-k", "test_sm_counts_fit_the_partition",
+                    "tests/cpu/test_gpu_session.py"])
+    assert code == 0
+    ran = [gs.summarise((logs / f"job{j}" / "rank0.log").read_text()) for j in (0, 1)]
+    assert ran[0].startswith("4 passed") and ran[1].startswith("3 passed"), ran
+
+
+def test_a_bad_split_is_a_usage_error(monkeypatch):
+    from tests import conftest
+    monkeypatch.setenv("EPCOMM_TEST_SPLIT", "2/2")
+    with pytest.raises(pytest.UsageError, match="0 <= j < J"):
+        conftest._keep_this_jobs_share(None, [])
 
 
 LOG = """\
