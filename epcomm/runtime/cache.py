@@ -1,7 +1,8 @@
 """Compiled cubins: an in-process memo over a disk cache under EPCOMM_CACHE_DIR (epcomm.env).
 
-Key = sha256 of: the entry format, every .cu/.cuh under cuda_src/ (so editing any header
-invalidates), the build plan (generated unit, name expressions, NVRTC and nvJitLink options with
+Key = sha256 of: the entry format, the source and every cuda_src/ header it reaches through
+quoted #includes (whatever #if guards them: a superset is safe), so editing a header invalidates
+exactly the families that include it, the build plan (generated unit, name expressions, NVRTC and nvJitLink options with
 every install location replaced by a placeholder, link library names, target arch, feature set,
 link mode) and the toolchain versions (NVRTC, nvJitLink, NVSHMEM, CUDA runtime and CCCL headers).
 No absolute path enters the key: a cache built in one environment (a container build, another
@@ -20,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import struct
 import tempfile
 import time
@@ -33,28 +35,56 @@ from .compiler import BuildPlan, CompiledCubin, KernelSource
 
 _FORMAT = b"EPCOMM-CUBIN-1\n"
 _MEMO: Dict[str, CompiledCubin] = {}
-_SRC_DIGESTS: Dict[Path, str] = {}
+_SRC_DIGESTS: Dict[Tuple[Path, Optional[str]], str] = {}
 
 
-def cuda_src_digest(root: Optional[Path] = None) -> str:
-    """Hash of every .cu/.cuh under cuda_src/ (names and contents); computed once per directory
-    per process: sources do not change under a running process."""
+_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def source_closure(source: str, root: Optional[Path] = None) -> List[Path]:
+    """`source` and every file under `root` (cuda_src/) its quoted #includes reach, resolved as
+    NVRTC does (the including file's directory, then the root); headers outside the root (NVSHMEM,
+    CUDA) are covered by the toolchain versions instead."""
     root = Path(root or compiler.cuda_src_dir())
-    digest = _SRC_DIGESTS.get(root)
+    seen, todo = {}, [(root / source).resolve()]
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen[path] = None
+        for name in _INCLUDE.findall(path.read_bytes()):
+            name = name.decode()
+            for cand in (path.parent / name, root / name):
+                if cand.is_file():
+                    todo.append(cand.resolve())
+                    break
+    return sorted(seen, key=lambda p: p.as_posix())
+
+
+def cuda_src_digest(root: Optional[Path] = None, source: Optional[str] = None) -> str:
+    """Hash of the files a source compiles from (names relative to cuda_src/ and contents), or of
+    every .cu/.cuh under cuda_src/ without a source; computed once per (directory, source) per
+    process: sources do not change under a running process."""
+    root = Path(root or compiler.cuda_src_dir())
+    digest = _SRC_DIGESTS.get((root, source))
     if digest is None:
         h = hashlib.sha256()
-        files = sorted(p for p in root.rglob("*") if p.suffix in (".cu", ".cuh") and p.is_file())
+        if source is None:
+            files = sorted(p for p in root.rglob("*") if p.suffix in (".cu", ".cuh") and p.is_file())
+        else:
+            files = source_closure(source, root)
+        real_root = root.resolve()
         for path in files:
             data = path.read_bytes()
-            h.update(f"{path.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+            h.update(f"{path.resolve().relative_to(real_root).as_posix()}\0{len(data)}\0".encode())
             h.update(data)
-        digest = _SRC_DIGESTS[root] = h.hexdigest()
+        digest = _SRC_DIGESTS[(root, source)] = h.hexdigest()
     return digest
 
 
 def cache_key(plan: BuildPlan) -> str:
     h = hashlib.sha256(_FORMAT)
-    h.update(cuda_src_digest(Path(plan.cuda_src)).encode())
+    h.update(cuda_src_digest(Path(plan.cuda_src), plan.source.source).encode())
     h.update(plan.digest.encode())
     h.update(json.dumps(toolchain.fingerprint(), sort_keys=True).encode())
     return h.hexdigest()

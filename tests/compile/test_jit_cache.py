@@ -82,6 +82,18 @@ def test_header_edit_changes_the_key_and_copies_share_it(tmp_path, tree):
         assert entry_of()[1] != key, "editing common/ptx.cuh must invalidate"
 
 
+def test_only_headers_the_source_includes_enter_its_key(tmp_path, tree):
+    key = entry_of()[1]
+    closure = {p.relative_to(tree).as_posix() for p in cache.source_closure("probe.cu", tree)}
+    assert {"probe.cu", "common/arch.cuh", "common/ptx.cuh"} <= closure
+    assert "low_latency_protocol.cuh" not in closure
+    root = make_tree(tmp_path / "other")
+    with open(f"{root}/low_latency_protocol.cuh", "a") as f:
+        f.write("\n// a family the probe does not include\n")
+    with compiler.cuda_src_override(root):
+        assert entry_of()[1] == key
+
+
 def test_corrupt_or_torn_entry_is_a_miss_and_is_replaced(tree):
     built = cache.get_cubin(SRC, 90, 90)
     path, key = entry_of()
