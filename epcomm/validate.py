@@ -25,6 +25,7 @@ from .config import Config
 from .runtime import cuda_decls
 from .event import EventOverlap
 from .ops import intranode_plan
+from .ops._common import FP8_BLOCK, UE8M0_PER_INT
 
 TOPK_IDX_DTYPE = torch.int64      # epcomm.topk_idx_t
 
@@ -35,8 +36,6 @@ def _normal_index_dtype(topk_idx) -> torch.dtype:
     return torch.int32 if getattr(topk_idx, "dtype", None) is torch.int32 else TOPK_IDX_DTYPE
 MAX_TOPK = cuda_decls.header("common/limits.cuh").constant("kMaxTopk")   # one kernel lane per slot
 INT32_MAX = 2 ** 31 - 1           # kernels take counts and sizes as 32-bit ints
-FP8_BLOCK = 128                   # channels per FP8 scale
-UE8M0_PER_INT = 4                 # packed UE8M0 exponents per int32
 BF16, FP8, F32, I32, I64, BOOL = (torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32,
                                   torch.int64, torch.bool)
 _Tensor = torch.Tensor

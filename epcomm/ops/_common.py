@@ -9,6 +9,9 @@ import torch
 from ..runtime.compiler import KernelSource
 from ..runtime.module import get_kernel
 
+FP8_BLOCK = 128        # channels per FP8 scale
+UE8M0_PER_INT = 4      # packed UE8M0 exponents per int32 (low-latency use_ue8m0 scales)
+
 # C++ index type of a topk_idx dtype, as the kernels' template arguments spell it.
 INDEX_TYPES = {torch.int64: "long long", torch.int32: "int"}
 

@@ -17,7 +17,7 @@ import torch
 
 from .. import env
 from ..runtime.compiler import KernelSource
-from ._common import INDEX_TYPES
+from ._common import FP8_BLOCK, INDEX_TYPES, UE8M0_PER_INT
 from . import internode, internode_plan, intranode, intranode_plan, layout, low_latency
 
 MODES = ("normal", "low_latency")
@@ -72,6 +72,9 @@ class ModelShapes:
                 bad("low_latency mode needs num_max_dispatch_tokens_per_rank (a positive integer)")
             if self.num_topk > low_latency.MAX_TOPK:
                 bad(f"low-latency top-k is at most {low_latency.MAX_TOPK}")
+            if "ue8m0" in self.ll_scales and self.hidden % (FP8_BLOCK * UE8M0_PER_INT):
+                bad(f"ue8m0 scales pack {UE8M0_PER_INT} per int32: hidden must be a multiple of "
+                    f"{FP8_BLOCK * UE8M0_PER_INT}, as low_latency_dispatch(use_ue8m0=True) requires")
 
     @classmethod
     def from_dict(cls, entry: dict) -> "ModelShapes":

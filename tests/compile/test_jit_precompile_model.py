@@ -35,7 +35,8 @@ def test_low_latency_variants_and_dedup():
     base = dict(SMALL, num_max_dispatch_tokens_per_rank=32, modes=("low_latency",))
     bf16 = kernel_sources(ModelShapes(**base))
     assert _files(bf16) == ["low_latency.cu"] * 2          # dispatch, combine
-    fp8 = kernel_sources(ModelShapes(**base, dtypes=("fp8",), ll_scales=("float", "pow2", "ue8m0")))
+    fp8 = kernel_sources(ModelShapes(**dict(base, hidden=512), dtypes=("fp8",),
+                                     ll_scales=("float", "pow2", "ue8m0")))
     assert len(fp8) == 4 and len({src.kernels for src in fp8}) == 4
     both = kernel_sources(ModelShapes(**base, dtypes=("bf16", "fp8", "fp8")))
     assert len(both) == 3                                  # repeated dtypes build once
@@ -52,6 +53,8 @@ def test_low_latency_variants_and_dedup():
     (dict(modes=("low_latency",)), "num_max_dispatch_tokens_per_rank"),
     (dict(hidden=0), "hidden must be a positive integer"),
     (dict(index_dtype="int16"), "index_dtype"),
+    (dict(hidden=1280, modes=("low_latency",), num_max_dispatch_tokens_per_rank=8,
+          ll_scales=("ue8m0",)), "multiple of 512"),
 ])
 def test_bad_shapes_raise(bad, match):
     with pytest.raises(ValueError, match=match):

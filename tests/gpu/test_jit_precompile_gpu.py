@@ -16,7 +16,8 @@ pytestmark = pytest.mark.gpu
 
 def _shapes(R: int, L: int, modes):
     from epcomm.ops.model_kernels import ModelShapes
-    return ModelShapes(hidden=128 * (9 + R), num_topk=3, num_experts=3 * R, num_ranks=R, num_local_ranks=L,
+    # hidden a multiple of 512: the ue8m0 low-latency scales pack four 128-channel scales per int32.
+    return ModelShapes(hidden=512 * (2 + R), num_topk=3, num_experts=3 * R, num_ranks=R, num_local_ranks=L,
                        num_max_dispatch_tokens_per_rank=24 + R, dtypes=("bf16", "fp8"), modes=modes,
                        ll_scales=("float", "pow2", "ue8m0"))
 
