@@ -323,6 +323,8 @@ def test_dynamic_chunk_claims(dist_env, buffer, sms, ns, route, ring_rows, combi
     if world == 1:
         pytest.skip("needs 2 or more ranks")
     experts = _e(64)
+    if ring_rows is not None:   # at least one chunk: the chunk count follows the SM count (MPS share)
+        ring_rows = max(ring_rows, plan.tokens_per_chunk(max(n_by_rank(ns, world)), plan.num_chunks(sms, world)))
     buf = buffer if ring_rows is None else epcomm.Buffer(
         dist_env.group, num_nvl_bytes=small_buffer_bytes(world, ring_rows, 8, experts, sms), explicitly_destroy=True)
     try:
