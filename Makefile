@@ -32,11 +32,13 @@ precompile: deps
 
 # GPU tests: each test runs collectively on every rank. RANKS_PER_GPU=N (default 1) runs N ranks on
 # every GPU under CUDA MPS (gloo bootstrap, SM partition per rank): 2, 4, 8 ranks and internode
-# topologies on one GPU, for correctness. GPU_TESTS narrows the selection (pytest paths / -k ...).
+# topologies on one GPU, for correctness. GPU_TEST_JOBS=J runs J groups of ranks at once, each on
+# every J-th test (a cold JIT cache compiles on J cores). GPU_TESTS narrows the selection (pytest paths / -k ...).
 RANKS_PER_GPU ?= 1
+GPU_TEST_JOBS ?= 1
 GPU_TESTS     ?= tests
 test-gpu:
-	$(GPU_ENV) $(PYTHON) -m tests.gpu_session --ranks-per-gpu $(RANKS_PER_GPU) \
+	$(GPU_ENV) $(PYTHON) -m tests.gpu_session --ranks-per-gpu $(RANKS_PER_GPU) --jobs $(GPU_TEST_JOBS) \
 	  -q -rs -m gpu -p no:cacheprovider $(GPU_TESTS)
 
 bench:
