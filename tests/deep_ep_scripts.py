@@ -21,9 +21,10 @@ share one GPU (the first visible one; CUDA_VISIBLE_DEVICES narrows to it):
 - EPCOMM_BACKEND=gpu (epcomm would pick its CPU backend for the gloo group);
 - EPCOMM_SHARED_GPU_SHIM=1 and tests/shared_gpu_site first on PYTHONPATH: its sitecustomize, run at
   start-up by every process including the spawned ranks, applies tests/shared_gpu_shim.py, which
-  changes exactly two calls: init_process_group's 'nccl' becomes 'gloo' (device_id dropped) and
-  torch.cuda.set_device(i) selects device 0. The scripts' collectives on CUDA tensors run on gloo's
-  own CUDA paths.
+  changes exactly three calls: init_process_group's 'nccl' becomes 'gloo' (device_id dropped),
+  torch.cuda.set_device(i) selects device 0, and all_gather_into_tensor also takes the stacked
+  (R, *x.shape) output NCCL accepts and gloo does not. The scripts' other collectives on CUDA
+  tensors (all_reduce, all_gather, barrier) run on gloo's own CUDA paths.
 
 Timings printed under MPS are not performance figures. Exit status: the script's, 124 when it ran
 past --timeout (every process of the run is then killed), 2 when the run could not start.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -159,7 +161,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"deep_ep_scripts: {e}", file=sys.stderr)
         return 2
     print(f"deep_ep_scripts: {plan.describe()}", flush=True)
-    mps = MpsDaemon(tempfile.mkdtemp(prefix="epcomm-deep-ep-"))
+    workdir = tempfile.mkdtemp(prefix="epcomm-deep-ep-")
+    mps = MpsDaemon(workdir)
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -177,6 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     finally:
         mps.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
         for s, handler in old.items():
             signal.signal(s, handler)
 

@@ -1,15 +1,18 @@
-"""What a one-GPU host cannot give DeepEP's test scripts when they run N ranks: the two torch calls
-their `init_dist` makes that assume one GPU per rank, rewritten (tests/deep_ep_scripts.py installs
-this in every process of a shared-GPU run; nothing else is touched):
+"""What a one-GPU host cannot give DeepEP's test scripts when they run N ranks: three torch calls,
+rewritten (tests/deep_ep_scripts.py installs this in every process of a shared-GPU run; nothing
+else is touched):
 
 - `torch.distributed.init_process_group(backend='nccl', ..., device_id=cuda:i)`: NCCL refuses two
   ranks on one GPU, so an `nccl` backend (also inside a 'cpu:gloo,cuda:nccl' map) becomes `gloo`,
   and `device_id` (a device the host may not have, binding the group to it) is dropped.
 - `torch.cuda.set_device(i)`: every index (i >= 0) selects device 0, the one GPU all ranks share.
+- `torch.distributed.all_gather_into_tensor(out, x)` with `out` of shape (R, *x.shape), the stacked
+  form NCCL accepts (test_low_latency.py gathers every rank's top-k indices so): gloo accepts only
+  the concatenated form (R * x.shape[0], ...), so `out` is passed as that view of itself (the same
+  memory, the same result).
 
-The collectives those scripts call on CUDA tensors (all_reduce, all_gather, all_gather_into_tensor,
-barrier) have CUDA implementations in torch's gloo backend (staged through host memory), so they
-run as written and are not wrapped.
+The other collectives they call on CUDA tensors (all_reduce, all_gather, barrier) have CUDA paths in
+torch's gloo backend (staged through host memory) and run as written.
 """
 from __future__ import annotations
 
@@ -40,8 +43,23 @@ def rewrite_init_args(signature: inspect.Signature, args: Tuple, kwargs: Dict) -
     return bound.args, bound.kwargs
 
 
+def wrap_all_gather_into_tensor(real):
+    """`real` (torch.distributed.all_gather_into_tensor) also taking the stacked output form."""
+    signature = inspect.signature(real)
+
+    @functools.wraps(real)
+    def all_gather_into_tensor(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        out, x = bound.arguments["output_tensor"], bound.arguments["input_tensor"]
+        if x.dim() >= 1 and out.dim() == x.dim() + 1 and out.is_contiguous():
+            bound.arguments["output_tensor"] = out.view(-1, *out.shape[2:])
+        return real(*bound.args, **bound.kwargs)
+
+    return all_gather_into_tensor
+
+
 def install(torch) -> bool:
-    """Patch `torch`'s two calls in place; False when already patched (idempotent)."""
+    """Patch `torch`'s three calls in place; False when already patched (idempotent)."""
     dist, cuda = torch.distributed, torch.cuda
     if getattr(dist.init_process_group, MARK, False):
         return False
@@ -60,7 +78,7 @@ def install(torch) -> bool:
         return real_set_device(device if isinstance(device, int) and device < 0 else 0)
 
     setattr(init_process_group, MARK, True)
-    setattr(set_device, MARK, True)
     dist.init_process_group = init_process_group
     cuda.set_device = set_device
+    dist.all_gather_into_tensor = wrap_all_gather_into_tensor(dist.all_gather_into_tensor)
     return True

@@ -16,7 +16,7 @@ import pytest
 from epcomm.deep_ep_alias import shim_dir
 from tests import deep_ep_scripts as des
 from tests import shared_gpu_shim as shim
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_ranks
 from tests.gpu_session import SessionError
 
 
@@ -78,12 +78,16 @@ def _fake_torch():
     def set_device(device):
         calls.append(("set_device", device))
 
-    torch = types.SimpleNamespace(distributed=types.SimpleNamespace(init_process_group=init_process_group),
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        calls.append(("all_gather_into_tensor", tuple(output_tensor.shape), group))
+
+    torch = types.SimpleNamespace(distributed=types.SimpleNamespace(init_process_group=init_process_group,
+                                                                    all_gather_into_tensor=all_gather_into_tensor),
                                   cuda=types.SimpleNamespace(set_device=set_device))
     return torch, calls
 
 
-def test_shim_rewrites_exactly_the_two_calls_and_installs_once():
+def test_shim_rewrites_exactly_the_three_calls_and_installs_once():
     torch, calls = _fake_torch()
     assert shim.install(torch) and not shim.install(torch)
     # DeepEP's init_dist decides from the signature whether to pass device_id: it must still see it.
@@ -93,8 +97,28 @@ def test_shim_rewrites_exactly_the_two_calls_and_installs_once():
     torch.distributed.init_process_group("cpu:gloo,cuda:nccl", "env://")
     for index in (3, "cuda:2", -1):
         torch.cuda.set_device(index)
+    import torch as real_torch
+    x = real_torch.zeros(5, 2)
+    torch.distributed.all_gather_into_tensor(real_torch.zeros(4, 5, 2), x, group="g")
+    torch.distributed.all_gather_into_tensor(real_torch.zeros(20, 2), x)
     assert calls == [("init", "gloo", "tcp://h:1", 4, 3, None), ("init", "cpu:gloo,cuda:gloo", "env://", -1, -1, None),
-                     ("set_device", 0), ("set_device", 0), ("set_device", -1)]
+                     ("set_device", 0), ("set_device", 0), ("set_device", -1),
+                     ("all_gather_into_tensor", (20, 2), "g"), ("all_gather_into_tensor", (20, 2), None)]
+
+
+def _stacked_gather(rank, world, group):
+    import torch
+    import torch.distributed as dist
+    x = torch.full((3, 2), rank, dtype=torch.int64)
+    out = torch.empty((world, 3, 2), dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="invalid tensor size"):
+        dist.all_gather_into_tensor(out, x, group=group)
+    shim.wrap_all_gather_into_tensor(dist.all_gather_into_tensor)(out, x, group=group)
+    assert torch.equal(out, torch.arange(world).view(-1, 1, 1).expand(world, 3, 2))
+
+
+def test_stacked_all_gather_into_tensor_fails_on_gloo_and_works_through_the_shim():
+    run_ranks(_stacked_gather, 3)
 
 
 def _run(code, env):
@@ -132,11 +156,11 @@ _SCRIPT = textwrap.dedent("""
         dist.init_process_group(**params)
         total = torch.tensor([local_rank + 1])
         dist.all_reduce(total)
-        gathered = torch.empty(num_local_ranks, dtype=torch.int64)
-        dist.all_gather_into_tensor(gathered, torch.tensor([local_rank * 10]))
+        gathered = torch.empty((num_local_ranks, 1), dtype=torch.int64)
+        dist.all_gather_into_tensor(gathered, torch.tensor([local_rank * 10]))  # stacked, as DeepEP's
         import epcomm
         with open(os.path.join(out, f"rank{local_rank}"), "w") as f:
-            f.write(f"{dist.get_backend()} {total.item()} {gathered.tolist()} {deep_ep.Buffer is epcomm.Buffer}")
+            f.write(f"{dist.get_backend()} {total.item()} {gathered.view(-1).tolist()} {deep_ep.Buffer is epcomm.Buffer}")
         dist.destroy_process_group()
 
     if __name__ == "__main__":
