@@ -32,7 +32,6 @@ past --timeout (every process of the run is then killed), 2 when the run could n
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import signal
@@ -43,7 +42,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from epcomm.deep_ep_alias import shim_dir
-from tests.gpu_session import ROOT, SAFE_ENV, MpsDaemon, SessionError, free_port, visible_gpus
+from tests.gpu_session import (ROOT, SAFE_ENV, MpsDaemon, SessionError, free_port, run_guarded,
+                               visible_gpus)
 
 SITE_DIR = os.path.join(ROOT, "tests", "shared_gpu_site")
 SHIM_FLAG = "EPCOMM_SHARED_GPU_SHIM"
@@ -164,25 +164,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     workdir = tempfile.mkdtemp(prefix="epcomm-deep-ep-")
     mps = MpsDaemon(workdir)
 
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+    def body() -> int:
+        try:
+            if plan.shared:
+                mps.start()
+            return run(plan, args.timeout, mps.env if plan.shared else {})
+        finally:
+            mps.stop()
+            shutil.rmtree(workdir, ignore_errors=True)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        if plan.shared:
-            mps.start()
-        return run(plan, args.timeout, mps.env if plan.shared else {})
-    except SessionError as e:
-        print(f"deep_ep_scripts: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        print(f"deep_ep_scripts: interrupted ({e})", file=sys.stderr)
-        return 130
-    finally:
-        mps.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-        for s, handler in old.items():
-            signal.signal(s, handler)
+    return run_guarded("deep_ep_scripts", body)
 
 
 if __name__ == "__main__":

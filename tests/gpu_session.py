@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPS_CONTROL = "nvidia-cuda-mps-control"
@@ -287,6 +287,26 @@ def report(layout: Layout, codes: List[Optional[int]], log_dir: str) -> int:
     return 0 if all(c == 0 for c in codes) else 1
 
 
+def run_guarded(prog: str, body: Callable[[], int], on_interrupt: str = "") -> int:
+    """body()'s exit status; 2 when it raised SessionError, 130 when interrupted. SIGTERM and SIGINT
+    raise KeyboardInterrupt meanwhile, so body's `finally` stops ranks and MPS however the run ends."""
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return body()
+    except SessionError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"{prog}: interrupted ({e}){on_interrupt}", file=sys.stderr)
+        return 130
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
 def main(argv: Sequence[str]) -> int:
     try:
         args, pytest_args = parse_args(argv)
@@ -303,29 +323,20 @@ def main(argv: Sequence[str]) -> int:
     mps = MpsDaemon(workdir)
     procs = []
 
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+    def body() -> int:
+        try:
+            extra_env = {}
+            if layout.shared:
+                mps.start()
+                extra_env.update(mps.env)
+            procs.extend(launch(layout, pytest_args, log_dir, extra_env))
+            codes = wait_all(procs, log_dir, args.timeout)
+            return report(layout, codes, log_dir)
+        finally:
+            kill_all(procs)
+            mps.stop()
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        extra_env = {}
-        if layout.shared:
-            mps.start()
-            extra_env.update(mps.env)
-        procs = launch(layout, pytest_args, log_dir, extra_env)
-        codes = wait_all(procs, log_dir, args.timeout)
-        return report(layout, codes, log_dir)
-    except SessionError as e:
-        print(f"gpu_session: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        print(f"gpu_session: interrupted ({e}); stopping the ranks and MPS", file=sys.stderr)
-        return 130
-    finally:
-        kill_all(procs)
-        mps.stop()
-        for s, handler in old.items():
-            signal.signal(s, handler)
+    return run_guarded("gpu_session", body, "; stopping the ranks and MPS")
 
 
 if __name__ == "__main__":

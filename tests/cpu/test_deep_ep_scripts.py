@@ -212,3 +212,23 @@ def test_shared_run_without_mps_is_refused_before_anything_runs(tmp_path, capsys
     assert des.main(["--gpus", "1", "--", str(script), "--num-processes", "2"]) == 2
     assert "CUDA MPS is not available" in capsys.readouterr().err
     assert not (tmp_path / "ran").exists()
+
+
+def test_launchers_turn_a_signal_into_130_after_their_cleanup(capsys):
+    import signal
+    from tests.gpu_session import run_guarded
+    cleaned = []
+
+    def body():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+            return 0
+        finally:
+            cleaned.append(True)
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert run_guarded("x", body, "; stopping") == 130 and cleaned == [True]
+    assert "x: interrupted (signal 15); stopping" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert run_guarded("x", lambda: (_ for _ in ()).throw(SessionError("no MPS"))) == 2
