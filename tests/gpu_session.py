@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPS_CONTROL = "nvidia-cuda-mps-control"
@@ -331,6 +331,26 @@ def report(layout: Layout, codes: List[List[Optional[int]]], log_dir: str) -> in
     return 0 if all(c == 0 for job_codes in codes for c in job_codes) else 1
 
 
+def run_guarded(prog: str, body: Callable[[], int], on_interrupt: str = "") -> int:
+    """body()'s exit status; 2 when it raised SessionError, 130 when interrupted. SIGTERM and SIGINT
+    raise KeyboardInterrupt meanwhile, so body's `finally` stops ranks and MPS however the run ends."""
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return body()
+    except SessionError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"{prog}: interrupted ({e}){on_interrupt}", file=sys.stderr)
+        return 130
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
 def main(argv: Sequence[str]) -> int:
     try:
         args, pytest_args = parse_args(argv)
@@ -347,31 +367,22 @@ def main(argv: Sequence[str]) -> int:
     mps = MpsDaemon(workdir)
     jobs = []
 
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+    def body() -> int:
+        try:
+            extra_env = {}
+            if layout.shared:
+                mps.start()
+                extra_env.update(mps.env)
+            jobs.extend(launch(layout, pytest_args, job_log_dir(layout, log_dir, j), extra_env, j)
+                        for j in range(layout.jobs))
+            codes = wait_all(jobs, os.path.join(job_log_dir(layout, log_dir, 0), "rank0.log"), args.timeout)
+            return report(layout, codes, log_dir)
+        finally:
+            for procs in jobs:
+                kill_all(procs)
+            mps.stop()
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        extra_env = {}
-        if layout.shared:
-            mps.start()
-            extra_env.update(mps.env)
-        jobs = [launch(layout, pytest_args, job_log_dir(layout, log_dir, j), extra_env, j)
-                for j in range(layout.jobs)]
-        codes = wait_all(jobs, os.path.join(job_log_dir(layout, log_dir, 0), "rank0.log"), args.timeout)
-        return report(layout, codes, log_dir)
-    except SessionError as e:
-        print(f"gpu_session: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        print(f"gpu_session: interrupted ({e}); stopping the ranks and MPS", file=sys.stderr)
-        return 130
-    finally:
-        for procs in jobs:
-            kill_all(procs)
-        mps.stop()
-        for s, handler in old.items():
-            signal.signal(s, handler)
+    return run_guarded("gpu_session", body, "; stopping the ranks and MPS")
 
 
 if __name__ == "__main__":
