@@ -34,9 +34,10 @@ from epcomm.ops import internode_plan as plan
 from epcomm.reference import oracle
 from tests import topology
 from tests.conftest import on_all_ranks
-from tests.helpers.gpu import (Inputs, calc_diff, check, combine_inputs, dev, make_inputs, round_trip_want,
-                               row_diff, run_dispatch)
+from tests.helpers.gpu import Inputs, check, dev, row_diff, run_dispatch
 from tests.helpers.gpu import expected_dispatch as expected
+from tests.helpers.internode import (combine_errors, dispatch_errors, inputs_for, oracle_round_trip,
+                                     round_trip_exact_errors)
 
 pytestmark = pytest.mark.gpu
 HIDDEN = 7168
@@ -121,71 +122,6 @@ def skip_unless_memory(dist_env, what: str, ns, fp8: bool) -> None:
             pytest.skip(reason)
 
 
-def inputs_for(dist_env, local: int, ns, **kw):
-    """Every rank's inputs with the internode layout (num_tokens_per_rdma_rank for L)."""
-    world = dist_env.world_size
-    out = []
-    for r in range(world):
-        inp = make_inputs(rank=r, num_tokens=ns[r % len(ns)], num_ranks=world, **kw)
-        inp.layout = oracle.layout(inp.topk_idx.long(), kw["num_experts"], world, local)
-        out.append(inp)
-    return out
-
-
-def dispatch_errors(got, want, fp8: bool, rank: int, inputs, use_topk=True) -> List[str]:
-    recv_x, recv_topk_idx, recv_topk_weights, counts, handle, _ = got
-    src = want["recv_src_idx"]
-    errors = [row_diff("recv_x (fp8)", recv_x[0], want["recv_x"], src),
-              row_diff("recv_x_scales", recv_x[1], want["recv_x_scales"], src)] if fp8 else \
-        [row_diff("recv_x", recv_x, want["recv_x"], src)]
-    if use_topk:
-        errors += [row_diff("recv_topk_idx", recv_topk_idx, want["recv_topk_idx"], src),
-                   row_diff("recv_topk_weights", recv_topk_weights, want["recv_topk_weights"], src)]
-    if handle is not None:
-        received = torch.tensor([int(i.layout[3][:, rank].sum()) for i in inputs])
-        sources = torch.repeat_interleave(torch.arange(len(inputs)), received).int()
-        meta = handle[7].cpu()
-        errors += ["" if len(handle) == 10 else f"the handle has {len(handle)} elements, DeepEP V1's has 10",
-                   row_diff("handle[-4] recv_gbl_rank_prefix_sum", handle[-4], received.cumsum(0).int()),
-                   row_diff("handle[7][:, 0] source rank", meta[:len(sources), 0].contiguous(), sources),
-                   row_diff("handle[7][:, 1] source token", meta[:, 1].contiguous(), src)]
-        if counts != want["num_recv_tokens_per_expert_list"]:
-            errors.append(f"num_recv_tokens_per_expert_list: got {counts}, want "
-                          f"{want['num_recv_tokens_per_expert_list']}")
-    return errors
-
-
-def combine_errors(dist_env, buf, got, inputs, local: int, experts: int, bias=None, config=None) -> List[str]:
-    """Combine of distinct per-rank rows (combine_inputs) through `got`'s handle vs the oracle,
-    bit-exact (the kernels sum in oracle.combine's order for nodes of `local` ranks)."""
-    rank, device = dist_env.rank, dist_env.device
-    xs, ws = combine_inputs(inputs, dist_env.world_size, experts)
-    on_device = None if bias is None else tuple(dev(b, device) for b in bias)
-    combined, weights, _ = buf.combine(dev(xs[rank], device), got[4], topk_weights=dev(ws[rank], device),
-                                       bias=on_device, config=config)
-    want_x, want_w = oracle.combine(xs, [i.layout[3] for i in inputs], rank, ws,
-                                    (None, None) if bias is None else bias, num_local_ranks=local)
-    return [row_diff("combined_x", combined, want_x), row_diff("combined_topk_weights", weights, want_w)]
-
-
-def oracle_round_trip(inputs, rank: int, world: int, experts: int, local: int):
-    """oracle.combine of the rows every rank received (dispatch's own output fed back, no bias)."""
-    wants = [expected(inputs, r, experts, False) for r in range(world)]
-    return oracle.combine([w["recv_x"] for w in wants], [i.layout[3] for i in inputs], rank,
-                          [w["recv_topk_weights"] for w in wants], (None, None), num_local_ranks=local)
-
-
-def round_trip_errors(combined, weights, mine) -> List[str]:
-    """combine(dispatch(x)) == x * (ranks the token reached) within calc_diff 5e-6; weights back."""
-    reached = mine.layout[3].sum(1, keepdim=True).float()
-    diff = calc_diff(combined.float().cpu(), mine.x.float() * reached)
-    errors = [f"calc_diff {diff} >= 5e-6" if diff >= 5e-6 else ""]
-    if weights is not None:
-        gap = float((weights.cpu() - mine.topk_weights).abs().max()) if weights.numel() else 0.0
-        errors.append(f"weights differ by {gap}" if gap >= 1e-9 else "")
-    return errors
-
-
 # ---- dispatch + cached dispatch + combine ----------------------------------------------------------
 # seed, N by rank, H, K, E, fp8, index dtype, alignment, num_sms; H = 7168 but for one odd hidden
 # size (each H, index type and BF16 / FP8 is one more set of specialisations to compile)
@@ -236,7 +172,7 @@ def test_round_trip_with_gpu_layout(dist_env, setup):
         dev(mine.x, device), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
     combined, weights, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
-    check(dist_env, round_trip_errors(combined, weights, mine) +
+    check(dist_env, round_trip_exact_errors(combined, weights, mine) +
           [row_diff("num_tokens_per_rdma_rank", per_node, mine.layout[1])], "round trip")
 
 
@@ -254,12 +190,6 @@ def scale_inputs(dist_env, local: int, profile: str) -> List[Inputs]:
         _SCALE_INPUTS[key] = inputs_for(dist_env, local, ns, seed=300 + topology.TOKEN_PROFILES.index(profile),
                                         hidden=HIDDEN, num_experts=_e(256), num_topk=8, fp8=True)
     return _SCALE_INPUTS[key]
-
-
-def round_trip_exact_errors(combined, weights, mine: Inputs) -> List[str]:
-    want_x, want_w = round_trip_want(mine)
-    return [row_diff("combine(dispatch(x))", combined, want_x),
-            row_diff("combined_topk_weights", weights, want_w)]
 
 
 SCALE_CASES = [(profile, fp8) for profile in topology.TOKEN_PROFILES for fp8 in (False, True)]
@@ -430,7 +360,7 @@ def test_num_worst_tokens(dist_env, setup, fp8):
     check(dist_env, errors, "worst dispatch")
     if not fp8:
         combined, weights, _ = buf.combine(got[0], got[4], topk_weights=got[2])
-        check(dist_env, round_trip_errors(combined, weights, inputs[rank]), "worst round trip")
+        check(dist_env, round_trip_exact_errors(combined, weights, inputs[rank]), "worst round trip")
 
 
 def test_back_to_back_reuse_with_a_late_rank(dist_env, setup):
@@ -510,11 +440,11 @@ def test_cuda_graph_replay(dist_env, setup):
         torch.cuda.synchronize()
         errors = dispatch_errors(out, expected(inputs, rank, experts, False, num_worst_tokens=num_worst), False,
                                  rank, inputs)
-        check(dist_env, errors + round_trip_errors(combined[0], combined[1], inputs[rank]),
+        check(dist_env, errors + round_trip_exact_errors(combined[0], combined[1], inputs[rank]),
               f"graph replay seed {seed}")
 
 
-def fp8_and_bf16_round_trip_errors(dist_env, buf, local: int, seed: int) -> List[str]:
+def fp8_and_bf16_round_trip_exact_errors(dist_env, buf, local: int, seed: int) -> List[str]:
     """BF16 then FP8 dispatch + combine on `buf` (1000 / 300 tokens, 64 experts, top-8), checked
     against the oracle."""
     rank, device = dist_env.rank, dist_env.device
@@ -542,7 +472,7 @@ def test_sm80_feature_set(dist_env, setup, monkeypatch):
     monkeypatch.setattr(internode, "get_kernel", recording_get_kernel)
     buf = make_buffer(dist_env, local, rdma_bytes=1 << 30, arch="sm80")
     try:
-        errors = fp8_and_bf16_round_trip_errors(dist_env, buf, local, seed=71)
+        errors = fp8_and_bf16_round_trip_exact_errors(dist_env, buf, local, seed=71)
         if features != {80}:
             errors.append(f"the kernels were looked up for feature sets {features}")
         check(dist_env, errors, "sm80 feature set")
@@ -568,7 +498,7 @@ def test_mnnvl_writes_other_nodes_in_place(dist_env, setup):
         gb = buf._backend
         if not all(gb.rdma.peer_ptrs):
             errors.append("this test needs every rank's buffer mapped (one host)")
-        errors += fp8_and_bf16_round_trip_errors(dist_env, buf, local, seed=83)
+        errors += fp8_and_bf16_round_trip_exact_errors(dist_env, buf, local, seed=83)
         table = internode.peer_table(gb).cpu()
         if bool((table == 0).any()):
             errors.append(f"allow_mnnvl: the kernels' peer table {table.tolist()} leaves ranks out")
@@ -765,7 +695,7 @@ def test_peer_timeout_in_combine(dist_env, local):
     buf, skipper, inputs = short_timeout_buffer(dist_env, local, seed=131)
     got = run_dispatch(buf, inputs[rank], device, False)
     combined, weights, _ = buf.combine(got[0], got[4], topk_weights=got[2])   # every rank once
-    check(dist_env, round_trip_errors(combined, weights, inputs[rank]), "before")
+    check(dist_env, round_trip_exact_errors(combined, weights, inputs[rank]), "before")
     got = run_dispatch(buf, inputs[rank], device, False)   # every rank: the combine alone is skipped
 
     def waiting_rank_sees_the_timeout():
