@@ -61,7 +61,9 @@ def skip_unless_split(world: int, local: int) -> None:
 
 
 def make_buffer(dist_env, local: int, rdma_bytes: int = 256 << 20, timeout_s: str = "", arch: str = "",
-                mnnvl: bool = False, nvl_bytes: int = 1 << 20):
+                mnnvl: bool = False, nvl_bytes: int = DEEPEP_NVL_BYTES):
+    """A Buffer of nodes of `local` ranks; num_nvl_bytes as DeepEP users pass it (the NVLink stage's
+    FIFOs may live there)."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("EPCOMM_NUM_LOCAL_RANKS", str(local))
         if timeout_s:
