@@ -94,6 +94,9 @@ def warm_kernels(dist_env, buf, inputs) -> None:
     dist_env.barrier()
 
 
+_SCALE_INPUTS = {}   # (profile, L) -> every rank's inputs: the BF16 and FP8 cases of a profile share them
+
+
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=["L1", "L2", "L4"])
 def setup(dist_env, request):
     """(Buffer, L): M = R / L nodes of L ranks, M >= 2, the Buffer DeepEP V1's internode test
@@ -105,6 +108,7 @@ def setup(dist_env, request):
         buf = epcomm.Buffer(dist_env.group, DEEPEP_NVL_BYTES, DEEPEP_RDMA_BYTES, explicitly_destroy=True)
     assert buf.runtime.get_num_rdma_ranks() == world // local
     yield buf, local
+    _SCALE_INPUTS.clear()
     release(dist_env, buf)
 
 
@@ -179,9 +183,6 @@ def test_round_trip_with_gpu_layout(dist_env, setup):
 
 
 # ---- any N through the fixed-size buffer ------------------------------------------------------------
-_SCALE_INPUTS = {}   # (profile, L) -> every rank's inputs: the BF16 and FP8 cases of a profile share them
-
-
 def scale_inputs(dist_env, local: int, profile: str) -> List[Inputs]:
     """Every rank's inputs (BF16 rows and their FP8 cast) for a token profile, H = 7168, K = 8,
     E = 256 scaled to R; only the latest profile is kept (16384 tokens of 8 ranks are 1.9 GB)."""
