@@ -711,7 +711,9 @@ def test_peer_timeout_in_combine(dist_env, local):
         error = caught.value
         waited_for = {skipper, skipper // local * local + rank % local}
         assert (error.op, error.rank) == ("internode combine", rank) and error.peer in waited_for, repr(error)
-        assert error.phase in (plan.PHASES[3], plan.PHASES[4]), repr(error)
+        # pushed rows, partial sums, or room in a ring (a sender whose receiver stopped consuming)
+        waits = {plan.PHASES[3], plan.PHASES[4]} | {p for p in plan.PHASES if "ring slots" in p}
+        assert error.phase in waits, repr(error)
         assert 2.0 <= seconds <= 60.0, f"combine ended after {seconds:.1f} s with a 3 s bound"
         with pytest.raises(BufferUnusable):
             buf.combine(got[0], got[4], topk_weights=got[2])
