@@ -13,7 +13,7 @@ from typing import List
 
 import torch
 
-from .harness import (BenchContext, Case, Record, gbps, low_latency_combine_bytes,
+from .harness import (BenchContext, Case, Record, buffer_bytes, gbps, low_latency_combine_bytes,
                       low_latency_dispatch_bytes, normal_bytes)
 from .layout import expected_layout
 
@@ -87,7 +87,7 @@ def _normal(ctx: BenchContext, internode: bool = False) -> List[Record]:
     ctx.check(torch.equal(cached_x, recv_x), "cached-handle dispatch differs from the first dispatch")
 
     setting = dict(NORMAL, R=R, masked_fraction=MASKED, recv_rows=recv_x.shape[0],
-                   **(dict(local_ranks=1) if internode else {}))
+                   **(dict(local_ranks=1, **buffer_bytes(buffer)) if internode else {}))
     nbytes = normal_bytes(recv_x.shape[0], H)
     return [
         _record(f"{label}layout", setting,

@@ -45,6 +45,12 @@ def low_latency_combine_bytes(messages: int, hidden: int) -> int:
     return messages * 2 * hidden
 
 
+def buffer_bytes(buffer) -> Dict[str, int]:
+    """The sizes a Buffer was built with, for a record's setting: an internode record at each N
+    then shows the memory the calls ran in (fixed, whatever N)."""
+    return dict(num_rdma_bytes=int(buffer.num_rdma_bytes), num_nvl_bytes=int(buffer.num_nvl_bytes))
+
+
 def gbps(nbytes: float, us: Optional[float]) -> Optional[float]:
     """GB/s with GB = 1e9 bytes."""
     if not us or us <= 0:

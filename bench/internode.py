@@ -19,7 +19,8 @@ at the end (a failed case leaves the Buffer forgotten, as the runner does for ev
 Cases: N=4096 (compared with the same-run torch+NCCL MoE) and N=128, H=7168, K=8, E=256, 24 SMs,
 one Buffer sized by internode_plan.rdma_bytes_needed for the larger N; then N=4096 again on a
 Buffer with allow_mnnvl=True, where the "nodes" (mapped GPUs of this host) get stores in place
-instead of NVSHMEM puts (on P2P a put is one warp's copy of a whole chunk).
+instead of NVSHMEM puts (on P2P a put is one warp's copy of a whole chunk). Every record's setting
+holds its Buffer's num_rdma_bytes and num_nvl_bytes: the JSON shows the memory each N ran in.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import List
 
 import torch
 
-from .harness import BenchContext, Case, Record, Skip
+from .harness import BenchContext, Case, Record, Skip, buffer_bytes
 from .intranode import INPUT_SEED, SETTING, TARGET_SMS, fp8_cast, run_normal
 
 CASE_N = (4096, 128)          # the largest first: it sizes the Buffer
@@ -72,7 +73,7 @@ def _run(ctx: BenchContext, N: int, last: bool, mnnvl: bool = False) -> List[Rec
     records = run_normal(ctx, buffer, name, N, H, K, E, TARGET_SMS, OPS,
                          with_baseline=N == SETTING["N"], verify=_oracle_check(ctx, buffer, N, H, K, E),
                          setting=dict(nodes=ctx.world_size, local_ranks=1, remote="rows from other nodes",
-                                      allow_mnnvl=mnnvl))
+                                      allow_mnnvl=mnnvl, **buffer_bytes(buffer)))
     if last:
         ctx.release_buffer()   # later modules (and the runner's teardown) start without it
     return records

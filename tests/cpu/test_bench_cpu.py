@@ -35,6 +35,10 @@ def test_bench_cpu_round_trip(tmp_path):
         assert result["status"] == "ok", (name, result["status"])
         assert len(result["per_rank"]) == 2 and all(r["us"] > 0 for r in result["per_rank"]), result
         assert result["us"]["min"] <= result["us"]["avg"] <= result["us"]["max"]
+    # Internode records name the Buffer sizes the calls ran in.
+    for name in (n for n in expected if n.startswith("CPU internode")):
+        setting = by_name[name]["setting"]
+        assert setting["num_rdma_bytes"] > 0 and setting["num_nvl_bytes"] >= 0, setting
 
 
 def test_pipelined_stats_counts_calls_on_cpu():
