@@ -120,6 +120,9 @@ class GpuBackend(Backend):
     def _require_usable(self) -> None:
         if self._destroyed:
             raise BufferUnusable("this Buffer was destroyed")
+        if self._unrecoverable is not None:
+            raise BufferUnusable(f"this Buffer is unusable: Buffer.recover found a rank missing "
+                                 f"({self._unrecoverable})") from self._unrecoverable
         if self.status.error is not None:
             raise BufferUnusable(f"this Buffer is unusable after an earlier failure: {self.status.error} "
                                  f"(Buffer.recover() on every rank makes it usable again)") from self.status.error

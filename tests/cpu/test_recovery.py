@@ -180,6 +180,8 @@ def test_gpu_recover_with_a_missing_rank_clears_nothing_and_stays_unusable():
     assert caught.value.peer == 1 and time.monotonic() - began < BOUND_S + 1.0
     assert log.steps == ["synchronize"] and not log.buffers_clear() and gb.status.error is not None
     assert gb.nvshmem.peer_failed, "teardown must not wait for the missing rank"
+    with pytest.raises(BufferUnusable, match="Buffer.recover found a rank missing"):
+        gb.check_errors()
     with pytest.raises(BufferUnusable, match="an earlier recovery found a rank missing"):
         gb.recover(None)
     gb._destroyed = True
