@@ -408,3 +408,75 @@ def test_recovery_names_a_rank_that_never_joins(dist_env):
             buf.get_dispatch_layout(_inputs(dist_env, seed=12)[1], _shape(dist_env)[1])
     _after_skip(dist_env, absent, waiting_rank)
     _release(dist_env, buf)
+
+
+# ---- ranks sharing a GPU without an SM partition ---------------------------------------------------
+def _poison_report(outputs: dict) -> tuple:
+    """(problems, summary) for the outputs of a failed call: floating point all NaN, integer all -1."""
+    problems, said = [], []
+    for name, t in outputs.items():
+        if t is None:
+            continue
+        ok = _all_nan(t) if t.dtype.is_floating_point else t.numel() > 0 and bool((t == -1).all())
+        said.append(f"{name} {'all NaN' if t.dtype.is_floating_point else 'all -1'}" if ok else f"{name} NOT poisoned")
+        if not ok:
+            problems.append(f"{name} of the failed call is not all {'NaN' if t.dtype.is_floating_point else '-1'}")
+    return problems, ", ".join(said)
+
+
+@pytest.mark.parametrize("low_latency", [False, True], ids=["intranode", "low_latency"])
+def test_oversubscribed_shared_gpu_raises_on_every_rank(dist_env, low_latency):
+    """Run only in a session without an SM partition:
+        python -m tests.gpu_session --ranks-per-gpu 8 --gpus 1 --no-sm-partition --log-dir DIR -- \\
+            -q -rs -s -m gpu tests/gpu/test_failure_gpu.py -k oversubscribed
+    Every rank sees all SMs, so the ranks' grids (normal mode: Buffer.num_sms blocks per rank;
+    low latency: one block per SM) cannot all be resident: peers wait for blocks that never run.
+    Each rank must raise PeerTimeout within EPCOMM_TIMEOUT_S + 1 s of its round trip, every output
+    of the failed call reads NaN / -1, and it prints one MPS-REPRO line of what it saw. A first
+    round trip builds the kernels (it may fail the same way; recover() follows it); recover()
+    after the measured one makes the teardown collective again."""
+    import os
+    from epcomm.errors import EpcommError, PeerTimeout
+    if os.environ.get("EPCOMM_TEST_MPS_UNPARTITIONED") != "1" or not dist_env.shared_gpu:
+        pytest.skip("the oversubscription reproduction needs ranks sharing a GPU without an SM partition "
+                    "(python -m tests.gpu_session --ranks-per-gpu N --no-sm-partition)")
+    _skipper(dist_env)
+    mode = "low_latency" if low_latency else "intranode"
+    buf = _buffer(dist_env, low_latency)
+    try:
+        _round_trip(buf, dist_env, _inputs(dist_env, seed=13), low_latency)   # builds the kernels
+        buf.check_errors(synchronize=True)
+    except EpcommError:
+        pass
+    buf.recover()
+    dist_env.barrier()
+
+    x, idx, weights = _inputs(dist_env, seed=14)
+    problems, began = [], time.monotonic()
+    if low_latency:
+        recv_x, recv_count, handle, _, _ = _ll_dispatch(buf, dist_env, (x, idx, weights))
+        dispatched = {"recv_x": recv_x, "recv_count": recv_count}
+        combined = buf.low_latency_combine(recv_x, idx, weights, handle)[0]
+    else:
+        recv_x, recv_idx, recv_weights, _, handle, _ = _dispatch(buf, dist_env, (x, idx, weights))
+        dispatched = {"recv_x": recv_x, "recv_topk_idx": recv_idx, "recv_topk_weights": recv_weights}
+        combined = buf.combine(recv_x, handle)[0]
+    try:
+        buf.check_errors(synchronize=True)
+        seconds = time.monotonic() - began
+        line = f"no error after {seconds:.2f} s (the grids were resident after all)"
+        problems.append(f"the round trip raised nothing ({seconds:.2f} s)")
+    except PeerTimeout as e:
+        seconds = time.monotonic() - began
+        torch.cuda.synchronize()
+        failed = {"combined_x": combined, **(dispatched if "dispatch" in e.op else {})}
+        poison_problems, summary = _poison_report(failed)
+        problems += poison_problems
+        if seconds > TIMEOUT_S + 1.0:
+            problems.append(f"PeerTimeout {seconds:.2f} s after the call, past EPCOMM_TIMEOUT_S + 1 s")
+        line = f"PeerTimeout after {seconds:.2f} s: {e}; outputs of the failed call: {summary}"
+    print(f"MPS-REPRO rank {dist_env.rank}/{dist_env.world_size} {mode} (EPCOMM_TIMEOUT_S={TIMEOUT_S:g}): {line}",
+          flush=True)
+    buf.recover()
+    check(dist_env, problems, f"{mode} round trip on an oversubscribed GPU")
+    _destroy(dist_env, buf)
