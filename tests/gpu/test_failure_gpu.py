@@ -452,16 +452,16 @@ def test_oversubscribed_shared_gpu_raises_on_every_rank(dist_env, low_latency):
     dist_env.barrier()
 
     x, idx, weights = _inputs(dist_env, seed=14)
-    problems, began = [], time.monotonic()
-    if low_latency:
-        recv_x, recv_count, handle, _, _ = _ll_dispatch(buf, dist_env, (x, idx, weights))
-        dispatched = {"recv_x": recv_x, "recv_count": recv_count}
-        combined = buf.low_latency_combine(recv_x, idx, weights, handle)[0]
-    else:
-        recv_x, recv_idx, recv_weights, _, handle, _ = _dispatch(buf, dist_env, (x, idx, weights))
-        dispatched = {"recv_x": recv_x, "recv_topk_idx": recv_idx, "recv_topk_weights": recv_weights}
-        combined = buf.combine(recv_x, handle)[0]
-    try:
+    problems, began, dispatched, combined = [], time.monotonic(), {}, {}
+    try:   # the combine's start check may already see the dispatch's failure
+        if low_latency:
+            recv_x, recv_count, handle, _, _ = _ll_dispatch(buf, dist_env, (x, idx, weights))
+            dispatched.update(recv_x=recv_x, recv_count=recv_count)
+            combined["combined_x"] = buf.low_latency_combine(recv_x, idx, weights, handle)[0]
+        else:
+            recv_x, recv_idx, recv_weights, _, handle, _ = _dispatch(buf, dist_env, (x, idx, weights))
+            dispatched.update(recv_x=recv_x, recv_topk_idx=recv_idx, recv_topk_weights=recv_weights)
+            combined["combined_x"] = buf.combine(recv_x, handle)[0]
         buf.check_errors(synchronize=True)
         seconds = time.monotonic() - began
         line = f"no error after {seconds:.2f} s (the grids were resident after all)"
@@ -469,7 +469,7 @@ def test_oversubscribed_shared_gpu_raises_on_every_rank(dist_env, low_latency):
     except PeerTimeout as e:
         seconds = time.monotonic() - began
         torch.cuda.synchronize()
-        failed = {"combined_x": combined, **(dispatched if "dispatch" in e.op else {})}
+        failed = {**combined, **(dispatched if "dispatch" in e.op else {})}
         poison_problems, summary = _poison_report(failed)
         problems += poison_problems
         if seconds > TIMEOUT_S + 1.0:
