@@ -407,7 +407,7 @@ class Buffer:
         """Collective: make the Buffer usable again after a failed call whose peers are all alive
         (a PeerTimeout, a DeviceCheckFailed, a rank that rejected its input). Every rank calls it,
         the ranks whose own calls succeeded too, after catching the error. Outputs of the failed
-        calls stay poisoned.
+        calls stay poisoned, and their events and recv hooks must not be used after recover().
 
         GPU: each rank waits for its kernels (all bounded), the ranks meet through the
         torch.distributed store, and every rank clears its signalling state to that of a new
