@@ -98,15 +98,20 @@ def _destroy(dist_env, buf) -> None:
     buf.destroy()
 
 
-def _warm(dist_env, buf, low_latency: bool) -> None:
-    """One valid call on every rank (kernels built, peers in step), then meet."""
-    inputs = _inputs(dist_env, seed=1)
+def _round_trip(buf, dist_env, inputs, low_latency: bool):
+    """Dispatch then combine of the received rows, with no host synchronisation in between (the
+    combine's own start check may already raise a failure of the dispatch)."""
     if low_latency:
         recv, _, handle, _, _ = _ll_dispatch(buf, dist_env, inputs)
         buf.low_latency_combine(recv, inputs[1], inputs[2], handle)
     else:
         recv_x, _, _, _, handle, _ = _dispatch(buf, dist_env, inputs)
         buf.combine(recv_x, handle)
+
+
+def _warm(dist_env, buf, low_latency: bool) -> None:
+    """One valid call on every rank (kernels built, peers in step), then meet."""
+    _round_trip(buf, dist_env, _inputs(dist_env, seed=1), low_latency)
     torch.cuda.synchronize()
     buf.check_errors()
     dist_env.barrier()
@@ -264,17 +269,6 @@ def test_valid_calls_are_not_poisoned(dist_env):
 
 
 # ---- recovery ---------------------------------------------------------------------------------------
-def _round_trip(buf, dist_env, inputs, low_latency: bool):
-    """Dispatch then combine of the received rows, with no host synchronisation in between (the
-    combine's own start check may already raise a failure of the dispatch)."""
-    if low_latency:
-        recv, _, handle, _, _ = _ll_dispatch(buf, dist_env, inputs)
-        buf.low_latency_combine(recv, inputs[1], inputs[2], handle)
-    else:
-        recv_x, _, _, _, handle, _ = _dispatch(buf, dist_env, inputs)
-        buf.combine(recv_x, handle)
-
-
 def _normal_round_trip_errors(dist_env, buf, seed: int):
     """A dispatch and a weighted combine, both bit-exact against the oracle (the problems found)."""
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
