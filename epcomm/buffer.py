@@ -46,7 +46,7 @@ def _make_backend(group, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mo
 
 # Calls that exchange data with every rank (the CPU backend frames them in exchange.py's rounds).
 _COLLECTIVE_METHODS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
-                       "clean_low_latency_buffer")
+                       "clean_low_latency_buffer", "recover")
 
 
 # What low-latency calls check across ranks, in the order of their argument-set keys.

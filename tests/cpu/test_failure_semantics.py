@@ -103,10 +103,13 @@ def _case_rank_rejects_its_input(rank, world):
     # the same in low-latency mode
     _raises(lambda: buf.low_latency_dispatch(bad_x, idx, T, E, use_fp8=False),
             TypeError if rank == 0 else PeerFailed, "Buffer.low_latency_dispatch")
-    # recover() is collective on both backends; here it only meets (nothing to clear), after
-    # rejecting its own arguments before any exchange
-    _raises(lambda: buf.recover(timeout_s=0), ValueError, "Buffer.recover: timeout_s must be > 0")
-    _raises(lambda: buf.recover(timeout_s="1"), TypeError, "Buffer.recover: timeout_s must be a number")
+    # recover() is collective on both backends; here it only meets (nothing to clear). Its own
+    # arguments rejected on rank 0 reach the others like any call's
+    for bad, error in ((0, ValueError), ("1", TypeError)):
+        if rank == 0:
+            _raises(lambda: buf.recover(timeout_s=bad), error, "Buffer.recover: timeout_s must be")
+        else:
+            _raises(lambda: buf.recover(timeout_s=1.5), PeerFailed, "Buffer.recover", "rank 0", "timeout_s must be")
     buf.recover()
     _normal_round_trip(buf, rank)
     _ll_round_trip(buf, rank)
