@@ -442,7 +442,7 @@ def test_oversubscribed_shared_gpu_raises_on_every_rank(dist_env, low_latency):
         buf.check_errors(synchronize=True)
     except EpcommError:
         pass
-    buf.recover()
+    buf.recover(timeout_s=300.0)   # the ranks built their kernels at different speeds
     dist_env.barrier()
 
     x, idx, weights = _inputs(dist_env, seed=14)
