@@ -1,7 +1,8 @@
 """Where the host time of a call goes (the Python and driver work to issue it), on the GPU machine:
     torchrun --standalone --nproc_per_node=2 -m bench.host_profile
 For a cached FP8 intranode dispatch, an intranode combine (N=4096, H=7168, K=8, E=256, 24 SMs) and
-the low-latency dispatch / combine (N=T=128, H=7168, K=8, E=288): host us per call (median, p10,
+the low-latency dispatch / combine (N=T=128, H=7168, K=8, E=288), and the poison launch that ends each
+of them (bench/poison_host.py: its Python side on any machine): host us per call (median, p10,
 p90 of perf_counter around 200 calls, each issued while the GPU sleeps, so no launch waits on the
 device), then cProfile of 300 more calls, the 18 largest own times. Rank 0 prints.
 """
@@ -67,6 +68,9 @@ def main() -> None:
     torch.cuda.synchronize()
     profile("intranode FP8 cached dispatch", lambda: normal.dispatch(x8, handle=handle, config=config), say)
     profile("intranode combine", lambda: normal.combine(recv_x, handle, topk_weights=recv_w, config=config), say)
+    # Every call above ends with this launch (ops/poison.py); alone, with a dispatch's outputs:
+    poison = normal._backend._poisoned()
+    profile("poison launch alone", lambda: poison.after(recv_x, None, None, recv_w), say)
 
     T, E2 = 128, 288
     ll = epcomm.Buffer(dist.group.WORLD, num_rdma_bytes=epcomm.Buffer.get_low_latency_rdma_size_hint(T, H, world, E2),

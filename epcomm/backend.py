@@ -145,5 +145,11 @@ class Backend:
     def check_errors(self) -> None:
         """Raise PeerTimeout / BufferUnusable if a kernel recorded a failure (GPU backend)."""
 
+    def recover(self, timeout_s: Optional[float]) -> None:
+        """Collective: make the Buffer usable again after a failed call whose peers are alive, or
+        raise (PeerTimeout naming a rank that did not join within timeout_s, None = the backend's
+        default; BufferUnusable where the backend cannot recover)."""
+        raise NotImplementedError
+
     def destroy(self) -> None:
         pass

@@ -46,7 +46,7 @@ def _make_backend(group, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mo
 
 # Calls that exchange data with every rank (the CPU backend frames them in exchange.py's rounds).
 _COLLECTIVE_METHODS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
-                       "clean_low_latency_buffer")
+                       "clean_low_latency_buffer", "recover")
 
 
 # What low-latency calls check across ranks, in the order of their argument-set keys.
@@ -402,6 +402,30 @@ class Buffer:
         backend.destroy()
         if failure is not None:
             raise failure
+
+    def recover(self, timeout_s: Optional[float] = None) -> None:
+        """Collective: make the Buffer usable again after a failed call whose peers are all alive
+        (a PeerTimeout, a DeviceCheckFailed, a rank that rejected its input). Every rank calls it,
+        the ranks whose own calls succeeded too, after catching the error. Outputs of the failed
+        calls stay poisoned, and their events and recv hooks must not be used after recover().
+
+        GPU: each rank waits for its kernels (all bounded), the ranks meet through the
+        torch.distributed store, and every rank clears its signalling state to that of a new
+        Buffer. timeout_s bounds the meeting (default twice EPCOMM_TIMEOUT_S: a rank that joined
+        the failed call late is still waiting out its own bound when the first ones arrive); a rank
+        that does not come raises PeerTimeout naming it, on every rank, and the Buffer stays
+        unusable. CPU: its failed calls leave it usable, except after a PeerTimeout, which gloo
+        cannot recover from (BufferUnusable: build a new group and Buffer)."""
+        c = Call("Buffer.recover", torch.device("cpu"), 1)
+        if timeout_s is not None:
+            if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+                raise c.error("timeout_s", f"must be a number of seconds, got {type(timeout_s).__name__}",
+                              TypeError)
+            if not 0 < timeout_s < float("inf"):
+                raise c.error("timeout_s", f"must be > 0 and finite, got {timeout_s}")
+        if self._backend is None:
+            raise BufferUnusable("Buffer.recover: the Buffer was destroyed")
+        self._backend.recover(None if timeout_s is None else float(timeout_s))
 
     # ---- normal mode ---------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,

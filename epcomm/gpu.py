@@ -11,12 +11,13 @@ State the ops modules may use (and nothing else of this class):
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional
 
 import torch
 
 from .backend import Backend
-from .errors import BufferUnusable, EpcommError
+from .errors import BufferUnusable, EpcommError, PeerTimeout
 
 
 class _RankFacts(NamedTuple):
@@ -27,6 +28,7 @@ class _RankFacts(NamedTuple):
     low_latency_mode: bool
     error: Optional[str]            # repr of this rank's setup failure, or None
     forced_local_ranks: Optional[int]
+    token: str                      # rank 0's names this Buffer's keys in the store (recover)
 
 
 class GpuBackend(Backend):
@@ -38,6 +40,7 @@ class GpuBackend(Backend):
         from . import env
         from .runtime.arch import device_arch
         from .runtime.nvshmem import Nvshmem
+        from .runtime.rendezvous import group_rendezvous
         from .runtime.topology import host_key, resolve_local_ranks
         from .runtime.status import StatusRecord
         from .runtime.symmetric import SymmetricBuffer
@@ -61,7 +64,7 @@ class GpuBackend(Backend):
         except Exception as e:  # re-raised below, after the other ranks have heard of it
             local_error = e
         mine = _RankFacts(host_key(), num_nvl_bytes, num_rdma_bytes, self.low_latency_mode,
-                          repr(local_error) if local_error else None, forced_local_ranks)
+                          repr(local_error) if local_error else None, forced_local_ranks, os.urandom(8).hex())
         facts = [None] * self.num_ranks
         dist.all_gather_object(facts, mine, group=group)
         if local_error is not None:
@@ -83,6 +86,8 @@ class GpuBackend(Backend):
             raise
 
         self.status = status
+        self._rendezvous = group_rendezvous(group, f"buffer-{facts[0].token}")
+        self._unrecoverable: Optional[EpcommError] = None   # a recover() whose rendezvous failed
         # NVSHMEM init and allocation failures raise on every rank at the same point, so what was
         # already allocated can be freed collectively.
         try:
@@ -115,9 +120,12 @@ class GpuBackend(Backend):
     def _require_usable(self) -> None:
         if self._destroyed:
             raise BufferUnusable("this Buffer was destroyed")
+        if self._unrecoverable is not None:
+            raise BufferUnusable(f"this Buffer is unusable: Buffer.recover found a rank missing "
+                                 f"({self._unrecoverable})") from self._unrecoverable
         if self.status.error is not None:
-            raise BufferUnusable(f"this Buffer is unusable after an earlier failure: "
-                                 f"{self.status.error}") from self.status.error
+            raise BufferUnusable(f"this Buffer is unusable after an earlier failure: {self.status.error} "
+                                 f"(Buffer.recover() on every rank makes it usable again)") from self.status.error
 
     # ---- buffer memory -----------------------------------------------------------------------
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size], offset: int,
@@ -139,6 +147,46 @@ class GpuBackend(Backend):
     def check_errors(self) -> None:
         self._require_usable()
         self.status.check()
+
+    def recover(self, timeout_s: Optional[float]) -> None:
+        """Collective: bring every rank's communication state back to that of a new Buffer.
+        timeout_s: the bound of the meeting, None = twice the Buffer's EPCOMM_TIMEOUT_S.
+
+        Every wait is bounded, so this rank's kernels wind down; once every rank has synchronised
+        its device and met the others (bounded: a rank that does not come raises PeerTimeout on
+        every rank and the Buffer stays unusable), no kernel of the failed calls runs anywhere.
+        Then each rank zeroes its symmetric buffers: call epochs, signals, work claims and the
+        sticky failure flag together, as construction does. Epochs start again from zero on
+        every rank at once, and no signal of the old calls survives to pass for a new one; a
+        barrier keeps any rank from sending before every rank has cleared. The shrink mask is
+        kept (it is the caller's setting)."""
+        if self._destroyed:
+            raise BufferUnusable("Buffer.recover: this Buffer was destroyed")
+        if self._unrecoverable is not None:
+            raise BufferUnusable(f"Buffer.recover: an earlier recovery found a rank missing "
+                                 f"({self._unrecoverable}); build a new Buffer") from self._unrecoverable
+        if timeout_s is None:
+            timeout_s = 2 * self.status.timeout_s
+        self._synchronize()
+        try:
+            self._rendezvous.meet("Buffer.recover", "every rank quiesced its device", timeout_s)
+        except PeerTimeout as e:
+            self._unrecoverable = e
+            self.nvshmem.peer_failed = True
+            raise
+        self.nvshmem.barrier_all()   # also completes transfers the failed calls left in flight
+        mask = None if self._ll is None else self._ll.mask_state()
+        for buf in (self.nvl, self.rdma):
+            if buf is not None:
+                buf.view(torch.uint8, (buf.nbytes,), 0).zero_()
+        if mask is not None:
+            self._ll.restart(mask)
+        self.nvshmem.barrier_all()
+        self.status.reset()
+        self.nvshmem.peer_failed = False   # every rank just answered
+
+    def _synchronize(self) -> None:
+        torch.cuda.synchronize(self.device_index)
 
     def destroy(self) -> None:
         """Collective and idempotent: free the symmetric buffers and the error record. After a peer

@@ -1,7 +1,7 @@
 """Run the GPU test suite with one or several ranks per GPU: `python -m tests.gpu_session`.
 
-    python -m tests.gpu_session [--ranks-per-gpu N] [--gpus G] [--jobs J] [--timeout S]
-                                [--log-dir DIR] [pytest arguments ...]
+    python -m tests.gpu_session [--ranks-per-gpu N] [--gpus G] [--jobs J] [--no-sm-partition]
+                                [--timeout S] [--log-dir DIR] [pytest arguments ...]
 
 With N = 1 this is torchrun with one rank per GPU over NCCL (what `make test-gpu` always ran). With
 N > 1 the G x N ranks share the G GPUs under CUDA MPS: the control daemon is started in a private
@@ -10,6 +10,9 @@ CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 // N so all ranks' grids are resident to
 device then reports only its share of the SMs), the ranks bootstrap over gloo (NCCL refuses two ranks
 on one GPU) and EPCOMM_BACKEND=gpu forces the GPU backend, which would otherwise pick the CPU backend
 for a gloo group. Timings under MPS are not performance figures: correctness only.
+--no-sm-partition leaves CUDA_MPS_ACTIVE_THREAD_PERCENTAGE unset (every rank sees all SMs, so the
+ranks' grids cannot all be resident: the failure reproduction of
+tests/gpu/test_failure_gpu.py -k oversubscribed, which runs only then, EPCOMM_TEST_MPS_UNPARTITIONED=1).
 
 --jobs J runs J independent groups of G x N ranks at once, each on every J-th collected test (the
 same order on every rank), all under one MPS daemon with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE =
@@ -54,6 +57,7 @@ class Layout:
     gpus: int
     ranks_per_gpu: int
     jobs: int = 1
+    sm_partition: bool = True
 
     @property
     def world_size(self) -> int:
@@ -79,8 +83,11 @@ class Layout:
                "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(master_port), "EPCOMM_TEST_RANKS_PER_GPU": str(self.ranks_per_gpu),
                "EPCOMM_BACKEND": "gpu", "EPCOMM_TEST_REPORT_AT_ONCE": "1"}
-        if self.shared:
+        if self.shared and self.sm_partition:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.thread_percentage)
+            env["EPCOMM_TEST_SHARED_GPU"] = "1"
+        elif self.shared:
+            env["EPCOMM_TEST_MPS_UNPARTITIONED"] = "1"
             env["EPCOMM_TEST_SHARED_GPU"] = "1"
         if self.jobs > 1:
             env["EPCOMM_TEST_SPLIT"] = f"{job}/{self.jobs}"
@@ -93,6 +100,8 @@ def parse_args(argv: Sequence[str]):
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("GPU_TEST_JOBS", "1") or 1),
                         help="independent groups of ranks run at once, each on every J-th test")
+    parser.add_argument("--no-sm-partition", action="store_true",
+                        help="with --ranks-per-gpu > 1: leave CUDA_MPS_ACTIVE_THREAD_PERCENTAGE unset")
     parser.add_argument("--timeout", type=float, default=float(os.environ.get("GPU_TEST_TIMEOUT", "3000")),
                         help="seconds for the whole run; then every rank is killed")
     parser.add_argument("--log-dir", default=None, help="per-rank logs (default: a temporary directory)")
@@ -104,6 +113,8 @@ def parse_args(argv: Sequence[str]):
                            f"{args.jobs} x {args.ranks_per_gpu}")
     if args.gpus is not None and args.gpus < 1:
         raise SessionError(f"--gpus must be at least 1, got {args.gpus}")
+    if args.no_sm_partition and args.ranks_per_gpu < 2:
+        raise SessionError("--no-sm-partition needs --ranks-per-gpu 2 or more (it is about ranks sharing a GPU)")
     if pytest_args and pytest_args[0] == "--":
         pytest_args = pytest_args[1:]
     return args, pytest_args or list(DEFAULT_PYTEST_ARGS)
@@ -192,6 +203,8 @@ def launch(layout: Layout, pytest_args: List[str], log_dir: str, extra_env: Dict
     os.makedirs(log_dir, exist_ok=True)
     for rank in range(layout.world_size):
         env = dict(os.environ, **SAFE_ENV, **extra_env, **layout.rank_env(rank, port, job))
+        if not layout.sm_partition:
+            env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)   # nor one inherited from the caller
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else ROOT
         log = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
         cmd = [sys.executable, "-m", "pytest", *pytest_args]
@@ -307,7 +320,8 @@ _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected)")
 def report(layout: Layout, codes: List[List[Optional[int]]], log_dir: str) -> int:
     jobs = f", {layout.jobs} jobs at once" if layout.jobs > 1 else ""
     print(f"\n===== gpu_session: {layout.world_size} ranks on {layout.gpus} GPU(s), "
-          f"{layout.ranks_per_gpu} per GPU{jobs}{' under MPS' if layout.shared else ''}; logs in {log_dir}")
+          f"{layout.ranks_per_gpu} per GPU{jobs}{' under MPS' if layout.shared else ''}"
+          f"{'' if layout.sm_partition or not layout.shared else ' without an SM partition'}; logs in {log_dir}")
     reasons: Dict[str, int] = collections.Counter()
     totals: Dict[str, int] = collections.Counter()
     for job, job_codes in enumerate(codes):
@@ -357,7 +371,7 @@ def main(argv: Sequence[str]) -> int:
         gpus = args.gpus if args.gpus is not None else visible_gpus()
         if gpus < 1:
             raise SessionError("no CUDA GPU found: the GPU suite needs one (CPU tests: make test)")
-        layout = Layout(gpus, args.ranks_per_gpu, args.jobs)
+        layout = Layout(gpus, args.ranks_per_gpu, args.jobs, not args.no_sm_partition)
     except SessionError as e:
         print(f"gpu_session: {e}", file=sys.stderr)
         return 2

@@ -60,8 +60,9 @@ struct WaitContext {
 // hot: the host-mapped ErrorRecord is written once on failure (what the host raises from), and
 // waits poll the flag instead. Why not poll the record: it is host memory, read over PCIe, and
 // such reads serialise GPU-wide (~1 us each). A
-// failure makes the Buffer unusable (StatusRecord.check), so the flag needs no clearing; a new
-// Buffer starts zeroed. The flag is per rank: kernels of later calls see it and wind down at once.
+// failure makes the Buffer unusable (StatusRecord.check) until Buffer.recover zeroes the whole
+// buffer, flag included, as a new Buffer starts. The flag is per rank: kernels of later calls
+// see it and wind down at once.
 struct Guard {
     WaitContext ctx;
     unsigned int *flag;   // device memory of this rank

@@ -401,6 +401,15 @@ class LowLatency:
         self.gb.nvshmem.barrier_all()   # every rank is clean before any rank sends again
         self.next_set, self.signal_shape = 0, (T, E)
 
+    def mask_state(self) -> torch.Tensor:
+        return self._mask.clone()
+
+    def restart(self, mask: torch.Tensor) -> None:
+        """After every rank zeroed its whole RDMA buffer (GpuBackend.recover): both buffer sets
+        count calls from zero again, any (T, E) may come next, the mask is put back."""
+        self._mask.copy_(mask)
+        self.next_set, self.signal_shape = 0, None
+
     def update_mask(self, rank: int, mask: bool) -> None:
         self._mask[rank] = int(bool(mask))
 

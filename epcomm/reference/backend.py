@@ -244,6 +244,21 @@ class ReferenceBackend(Backend):
         """CPU calls fail by raising at once; after a peer timeout the Buffer stays unusable."""
         self.exchange.require_usable("Buffer")
 
+    def recover(self, timeout_s):
+        """The CPU backend's failed calls leave it usable, except a peer timeout: a gloo wait that
+        ran out may stay posted, and a later message of that peer would land in it. So this only
+        meets the other ranks (within timeout_s, None = EPCOMM_TIMEOUT_S), or says the Buffer
+        cannot recover."""
+        if self.exchange.broken is not None:
+            raise BufferUnusable(f"Buffer.recover: the CPU backend cannot recover from "
+                                 f"{self.exchange.broken}: gloo may still hold the receive that timed "
+                                 f"out; build a new process group and Buffer") from self.exchange.broken
+        bound, self.exchange.timeout_s = self.exchange.timeout_s, timeout_s or self.exchange.timeout_s
+        try:
+            self.exchange.agree("Buffer.recover", ())
+        finally:
+            self.exchange.timeout_s = bound
+
     def destroy(self):
         self._buffers = {}
         self._buffer_sizes = {False: 0, True: 0}

@@ -169,7 +169,8 @@ class StatusRecord:
 
     def _check_failed(self) -> None:
         if self.error is not None:
-            raise BufferUnusable(f"unusable after an earlier failure: {self.error}") from self.error
+            raise BufferUnusable(f"unusable after an earlier failure: {self.error} (Buffer.recover() "
+                                 f"on every rank makes it usable again)") from self.error
         record = self._live_record("check")
         if record.code == CODE_OK:
             return

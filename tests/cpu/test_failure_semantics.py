@@ -66,7 +66,7 @@ def _buffer(group, **kwargs):
 # ---- cases ---------------------------------------------------------------------------------------
 def _case_peer_never_calls(rank, world):
     """The last rank skips a dispatch: every other rank raises PeerTimeout naming it, and the Buffer
-    is unusable afterwards (the group's connections to the peer are gone)."""
+    is unusable afterwards, recover() included (the group's connections to the peer are gone)."""
     from epcomm.errors import BufferUnusable, PeerTimeout
     buf = _buffer(_fresh_group())
     x, idx, w = _tokens(rank)
@@ -81,11 +81,13 @@ def _case_peer_never_calls(rank, world):
     assert (error.op, error.rank, error.peer, error.timeout_s) == ("Buffer.dispatch", rank, world - 1, TIMEOUT_S)
     assert time.monotonic() - start >= TIMEOUT_S * 0.9, "raised before the bound ran out"
     _raises(lambda: buf.get_dispatch_layout(idx, E), BufferUnusable, "unusable")
+    _raises(buf.recover, BufferUnusable, "Buffer.recover: the CPU backend cannot recover", "new process group")
 
 
 def _case_rank_rejects_its_input(rank, world):
     """Rank 0 passes a bad x: it raises its own TypeError, the others PeerFailed naming rank 0 (no
-    timeout); then the same Buffer serves valid calls on every rank."""
+    timeout); then the same Buffer serves valid calls on every rank (after a recover(), which
+    the GPU needs and the CPU backend accepts)."""
     from epcomm.errors import PeerFailed
     buf = _buffer(_fresh_group())
     x, idx, w = _tokens(rank)
@@ -101,6 +103,14 @@ def _case_rank_rejects_its_input(rank, world):
     # the same in low-latency mode
     _raises(lambda: buf.low_latency_dispatch(bad_x, idx, T, E, use_fp8=False),
             TypeError if rank == 0 else PeerFailed, "Buffer.low_latency_dispatch")
+    # recover() is collective on both backends; here it only meets (nothing to clear). Its own
+    # arguments rejected on rank 0 reach the others like any call's
+    for bad, error in ((0, ValueError), ("1", TypeError)):
+        if rank == 0:
+            _raises(lambda: buf.recover(timeout_s=bad), error, "Buffer.recover: timeout_s must be")
+        else:
+            _raises(lambda: buf.recover(timeout_s=1.5), PeerFailed, "Buffer.recover", "rank 0", "timeout_s must be")
+    buf.recover()
     _normal_round_trip(buf, rank)
     _ll_round_trip(buf, rank)
     buf.destroy()

@@ -42,6 +42,22 @@ def test_concurrent_jobs_share_the_gpu_under_mps_and_split_the_tests():
     assert "EPCOMM_TEST_SHARED_GPU" not in gs.Layout(1, 1).rank_env(0, 1)
 
 
+def test_no_sm_partition_leaves_the_percentage_unset(monkeypatch, tmp_path):
+    """--no-sm-partition: no CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, not even one the caller had set,
+    and the ranks are told (the oversubscription reproduction runs only then)."""
+    args, _ = gs.parse_args(["--ranks-per-gpu", "8", "--no-sm-partition"])
+    layout = gs.Layout(1, args.ranks_per_gpu, sm_partition=not args.no_sm_partition)
+    env = layout.rank_env(3, 1)
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env and env["EPCOMM_TEST_MPS_UNPARTITIONED"] == "1"
+    assert "EPCOMM_TEST_MPS_UNPARTITIONED" not in gs.Layout(1, 8).rank_env(3, 1)
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "12")
+    monkeypatch.setattr(gs.subprocess, "Popen", lambda cmd, env, **kw: env)
+    envs = [proc for proc, _ in gs.launch(gs.Layout(1, 2, sm_partition=False), ["-q"], str(tmp_path), {})]
+    assert all("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in e for e in envs)
+    with pytest.raises(gs.SessionError, match="needs --ranks-per-gpu 2 or more"):
+        gs.parse_args(["--no-sm-partition"])
+
+
 def test_parse_args_defaults_and_pytest_passthrough(monkeypatch):
     monkeypatch.delenv("RANKS_PER_GPU", raising=False)
     args, rest = gs.parse_args([])
