@@ -4,7 +4,8 @@
 ctypes.Structure by value (the kernel's single Params argument). It is on every call's critical
 path, so a plain launch is one ctypes call (cuLaunchKernel) with a per-thread, prebuilt
 kernelParams array; cooperative launches are one cuLaunchCooperativeKernel call (same argument
-list).
+list). `Kernel.launcher(grid, block, params, smem)` binds all but the stream once, for the per-call
+fast paths that launch one prefilled Params object again and again.
 
 The first launch with a given Params class checks it against the kernel: its size against the
 kernel's parameter in the cubin (cuFuncGetParamInfo), and its name against the parameter type in
@@ -15,6 +16,7 @@ loudly instead of launching with garbage.
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 import threading
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
@@ -169,6 +171,26 @@ class Kernel:
             self._retry_in_context(self._launch, (self._handle, grid[0], grid[1], grid[2], block[0],
                                                   block[1], block[2], smem, c_void_p(stream), args, None),
                                    rc, LaunchConfig(tuple(grid), tuple(block), smem, stream, False))
+
+    def launcher(self, grid, block, params: ctypes.Structure, smem: int = 0):
+        """launch(stream) of this kernel with `params` (checked now), for a caller that launches one
+        Params object over and over: the kernelParams array and the dims are bound once, so a
+        launch is one ctypes call. The array belongs to `params`: like the struct itself, it must
+        not be launched from two threads at once."""
+        if type(params) is not self._checked_params_type:
+            self._check_params(params)
+        args = (c_void_p * 1)(_addressof(params))
+        fn, handle = self._launch, self._handle
+        dims = (grid[0], grid[1], grid[2], block[0], block[1], block[2], smem)
+        bound = functools.partial(fn, handle, *dims)
+
+        def launch(stream: int) -> None:
+            rc = bound(_c_void_p(stream), args, None)
+            if rc:
+                self._retry_in_context(fn, (handle, *dims, c_void_p(stream), args, None), rc,
+                                       LaunchConfig(tuple(grid), tuple(block), smem, stream, False))
+        launch.params = params   # the launch reads it: it must live as long as the launcher
+        return launch
 
     def _retry_in_context(self, fn, fn_args, rc: int, config: "LaunchConfig") -> None:
         """After a failed launch call: a wrong (or no) current context on this thread is retried in
