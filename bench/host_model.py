@@ -29,14 +29,27 @@ import torch
 
 _FAKE_DRIVER = r"""
 #include <stddef.h>
-int launches = 0;
+#include <string.h>
+/* launches counts every launch; the Params of launches of `watch_f` are copied into `watched`
+   (watch_size bytes), for tests that compare what two paths launch */
+int launches = 0, watch_size = 0, watched_count = 0;
+void *watch_f = 0;
+unsigned char watched[4096];
+static int seen(void *f, void **params) {
+    ++launches;
+    if (f == watch_f && watch_size > 0 && watch_size <= (int)sizeof watched) {
+        memcpy(watched, params[0], watch_size); ++watched_count;
+    }
+    return 0;
+}
 int cuInit(unsigned flags) { return 0; }
 int cuGetErrorName(int rc, const char **s) { *s = "CUDA_ERROR_FAKE"; return 0; }
 int cuFuncSetAttribute(void *f, int attr, int v) { return 0; }
 int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                   unsigned smem, void *stream, void **params, void **extra) { ++launches; return 0; }
+                   unsigned smem, void *stream, void **params, void **extra) { return seen(f, params); }
+int cuLaunchKernelEx(const void *config, void *f, void **params, void **extra) { return seen(f, params); }
 int cuLaunchCooperativeKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                              unsigned bz, unsigned smem, void *stream, void **params) { ++launches; return 0; }
+                              unsigned bz, unsigned smem, void *stream, void **params) { return seen(f, params); }
 """
 
 # Intranode as bench/host_profile.py but N = 1024 (the host path does not depend on N; the CPU
@@ -90,7 +103,8 @@ def _backend(nvl_bytes: int, rdma_bytes: int, low_latency_mode: bool):
 
 @contextlib.contextmanager
 def model() -> Iterator[Callable]:
-    """Patch the GPU-only pieces; yields make(**buffer kwargs) -> Buffer on the stand-in backend."""
+    """Patch the GPU-only pieces; yields make(**buffer kwargs) -> Buffer on the stand-in backend
+    (make.driver: the stand-in libcuda, for its counters)."""
     import torch.distributed as dist
     import epcomm.buffer as buffer_module
     from epcomm.ops import _common, intranode, low_latency, poison
@@ -112,7 +126,8 @@ def model() -> Iterator[Callable]:
         return k
 
     with tempfile.TemporaryDirectory() as folder:
-        patch(launch, "LIBCUDA", build_fake_driver(folder))
+        lib = build_fake_driver(folder)
+        patch(launch, "LIBCUDA", lib)
         patch(launch, "_driver", None)
         raw_stream = lambda device_index: 0x5000
         for module, name in ((_common, "current_stream"), (low_latency, "current_stream"), (intranode, "current_stream"),
@@ -133,6 +148,7 @@ def model() -> Iterator[Callable]:
             buf._fast_path = True
             made.append(buf)
             return buf
+        make.driver = ctypes.CDLL(lib)   # its counters (see _FAKE_DRIVER)
         try:
             yield make
         finally:

@@ -168,7 +168,8 @@ class _CombinePlan(_Plan):
     __slots__ = ("zero_copy_x",)   # per buffer set: the send buffer a zero-copy combine reads
 
 
-_capturing = torch.cuda.is_current_stream_capturing
+# torch's raw capture query where the build has it (its Python wrapper adds a frame per call)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
 # ---- the per-Buffer state -----------------------------------------------------------------------
@@ -414,7 +415,7 @@ class LowLatency:
         device, device_index, outputs_of = self.gb.device, self._device_index, plan.outputs
         x_shape, x_dtype, scales, info_shape = plan.x_shape, plan.x_dtype, plan.scales, plan.src_info_shape
         layout_shape, count_shape, signal_shape = plan.layout_shape, plan.count_shape, plan.signal_shape
-        empty, i32, i64 = torch.empty, torch.int32, torch.int64
+        empty, i32, i64, new_tuple = torch.empty, torch.int32, torch.int64, tuple.__new__
 
         def run(x, topk_idx, cumulative, wait_stats):
             if _tracing_on is not trace:
@@ -449,8 +450,9 @@ class LowLatency:
             launches[buffer_set](stream)
             if fill is not None:
                 fill(stream)
-            return LowLatencyDispatchResult(recv_x, s, recv_count, LowLatencyHandle(src_info, layout_range, T, H, E),
-                                            None)
+            # tuple.__new__: the NamedTuples' own constructors are Python frames
+            return new_tuple(LowLatencyDispatchResult, (recv_x, s, recv_count, new_tuple(
+                LowLatencyHandle, (src_info, layout_range, T, H, E)), None))
         return run
 
     def combine_runner(self, N, K, index_dtype, T, H, E, poison, general):
