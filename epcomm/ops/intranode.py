@@ -379,12 +379,12 @@ def combine_runner(gb, x, handle, topk_weights, bias, config, poison, general):
     def run(x, handle, topk_weights, bias0, bias1):
         if _tracing_on is not trace:
             return general(x, handle, topk_weights, (bias0, bias1), config)
+        # realigned copies are held in locals until the launch is queued (as `aligned` callers do)
         params.x, x = _pointer(x)
-        keep = None
         if topk_weights is None:
             params.topk_weights = 0
         else:
-            params.topk_weights, keep = _pointer(topk_weights)
+            params.topk_weights, topk_weights = _pointer(topk_weights)
         params.bias0, bias0 = _pointer(bias0) if bias0 is not None else (0, None)
         params.bias1, bias1 = _pointer(bias1) if bias1 is not None else (0, None)
         rank_prefix, channel_prefix, recv_channel_prefix, _, _, send_head = handle
