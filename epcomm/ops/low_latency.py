@@ -101,29 +101,45 @@ class _Outputs:
     of host time, a large share of a low-latency call. As safe as the caching allocator's own
     reuse: the tensors go back only to the stream they were made on (stream order puts the new
     kernel after every use queued there), and only when neither a tensor object (Python reference
-    count) nor any view of its storage (storage use count) is left outside this pool. Never used
+    count) nor any view of its storage nor its storage object (storage use count, the storage
+    object's reference count) is left outside this pool. Never used
     during CUDA-graph capture (capture allocates from the graph's pool) nor for hook calls (the
     receive may run on another stream). The memory stays held while pooled, as a cached block."""
 
-    __slots__ = ("stream", "tensors", "poison")
+    __slots__ = ("stream", "tensors", "poison", "_storages", "_refs")
 
     def __init__(self):
         # poison: the fill launch of these outputs (ops/poison.py), False until a fast path made it
-        self.stream, self.tensors, self.poison = None, None, False
+        self.stream, self.tensors, self.poison, self._storages, self._refs = None, None, False, (), ()
 
     def take(self, stream: int) -> Optional[tuple]:
         tensors = self.tensors
-        if tensors is None or stream != self.stream or _use_count is None:
+        if tensors is None or stream != self.stream:
             return None
         for t in tensors:
-            # references: the pool's tuple, `t` and getrefcount's argument; storage: the tensor and
-            # the probe's UntypedStorage
-            if t is not None and (sys.getrefcount(t) != 3 or _use_count(t.untyped_storage()._cdata) != 2):
+            # references: the pool's tuple, `t` and getrefcount's argument
+            if t is not None and sys.getrefcount(t) != 3:
                 return None
+        # Each tensor's UntypedStorage, held by the pool: torch keeps one Python object per storage,
+        # so a caller's untyped_storage() is this object and shows in its reference count (compared
+        # with the count `keep` saw, taken by the same loop). Holders of the StorageImpl: its tensor
+        # and that object (which keeps the address valid); a view or a detached alias adds one, a
+        # tensor moved elsewhere with set_ leaves one: either way the set is not handed out.
+        refs, i = self._refs, 0
+        for storage in self._storages:
+            if sys.getrefcount(storage) != refs[i] or _use_count(storage._cdata) != 2:
+                return None
+            i += 1
         return tensors
 
     def keep(self, stream: int, tensors: tuple, poison=False) -> None:
-        self.stream, self.tensors, self.poison = stream, tensors, poison
+        if _use_count is None:   # a torch without the storage use count: never handed out again
+            return
+        storages = tuple([t.untyped_storage() for t in tensors if t is not None])
+        refs = []
+        for storage in storages:
+            refs.append(sys.getrefcount(storage))
+        self.stream, self.tensors, self.poison, self._storages, self._refs = stream, tensors, poison, storages, refs
 
 
 class DispatchSpec(NamedTuple):
