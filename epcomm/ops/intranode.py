@@ -299,7 +299,8 @@ def combine(gb, x, handle, topk_weights, bias, config):
 # Buffer validates a call's signature once and then calls the runner made here for it: the plan
 # resolved, a Params copy with every field the signature fixes set, the launch bound; a call sets
 # the pointers, allocates its outputs and launches, then queues the poison fill (ops/poison.py).
-# `general` (the backend's method) serves the calls made while a profiling build is switched on.
+# `general` (the backend's method) serves the calls made while a profiling build is switched on
+# (set_tracing; none is made while it is on: the Buffer then calls the method itself).
 def _pointer(t):
     """t's address, realigned to 16 bytes as `aligned` does, and the tensor to keep alive."""
     address = t.data_ptr()
@@ -335,13 +336,14 @@ def _runner_params(gb, planned):
 
 def cached_dispatch_runner(gb, x, x_scales, handle, config, poison, general):
     """run(x, x_scales, handle) -> DispatchResult of a cached dispatch with this call's signature
-    (shapes, dtypes, scale strides, the handle's sizes, config); None for empty inputs or outputs."""
+    (shapes, dtypes, scale strides, the handle's sizes, config); None for empty inputs or outputs
+    and while tracing."""
     num_tokens, hidden = x.shape
     num_out_rows, chunks = handle[3].shape[0], handle[1].shape[1] - 1
-    if num_tokens == 0 or num_out_rows == 0:
+    if num_tokens == 0 or num_out_rows == 0 or _tracing_on:
         return None
     num_scales = 0 if x_scales is None else x_scales.shape[1]
-    dtype, trace, device = x.dtype, _tracing_on, gb.device
+    dtype, trace, device = x.dtype, False, gb.device
     planned = plan_for(gb, DispatchSpec, (config.num_sms, hidden * x.element_size(), num_scales, 0, "int", 0, False,
                                           trace), _dispatch_plan)
     params, launch = _runner_params(gb, planned)
@@ -354,7 +356,7 @@ def cached_dispatch_runner(gb, x, x_scales, handle, config, poison, general):
     device_index, fills = gb.device_index, _Fills(poison)
 
     def run(x, x_scales, handle):
-        if _tracing_on is not trace:
+        if _tracing_on:
             return general(x, x_scales, handle, None, None, None, None, None, None, 1, 0, config)
         params.x, x = _pointer(x)
         rank_prefix, channel_prefix, recv_channel_prefix, _, _, send_head = handle
@@ -381,10 +383,10 @@ def combine_runner(gb, x, handle, topk_weights, bias, config, poison, general):
     this call's signature; None for empty inputs or outputs."""
     num_tokens, hidden = handle[4].shape[0], x.shape[1]
     chunks = handle[1].shape[1] - 1
-    if num_tokens == 0 or x.shape[0] == 0:
+    if num_tokens == 0 or x.shape[0] == 0 or _tracing_on:
         return None
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-    trace, device, device_index = _tracing_on, gb.device, gb.device_index
+    trace, device, device_index = False, gb.device, gb.device_index
     planned = plan_for(gb, CombineSpec, (config.num_sms, hidden * 2, num_topk, trace), _combine_plan)
     params, launch = _runner_params(gb, planned)
     params.num_tokens, params.num_chunks = num_tokens, chunks
@@ -395,7 +397,7 @@ def combine_runner(gb, x, handle, topk_weights, bias, config, poison, general):
     fills = _Fills(poison)
 
     def run(x, handle, topk_weights, bias0, bias1):
-        if _tracing_on is not trace:
+        if _tracing_on:
             return general(x, handle, topk_weights, (bias0, bias1), config)
         # realigned copies are held in locals until the launch is queued (as `aligned` callers do)
         params.x, x = _pointer(x)

@@ -412,7 +412,8 @@ class LowLatency:
     # made here for it: the plan resolved, its Params copied with every field the signature fixes
     # set, the launches bound; a call sets the pointers, takes its outputs and launches. `poison`
     # (ops/poison.py) fills the outputs after a failed wait; `general` is the backend's method,
-    # taken while a profiling build is switched on (set_tracing), which the runner does not cover.
+    # taken while a profiling build is switched on (set_tracing), which the runner does not cover
+    # (none is made while it is on: the Buffer then calls the method itself).
     def _runner_plan(self, spec_type, key, build):
         plan = plan_for(self.gb, spec_type, key, build)
         params = tuple(type(p).from_buffer_copy(p) for p in plan.params)
@@ -422,9 +423,11 @@ class LowLatency:
         return plan, params, launches
 
     def dispatch_runner(self, N, H, K, index_dtype, T, E, use_fp8, round_scale, use_ue8m0, poison, general):
-        """run(x, topk_idx, cumulative_stats, wait_stats) -> LowLatencyDispatchResult (no hook)."""
-        trace = _tracing_on
-        key = (T, H, E, K, use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0, index_dtype, trace)
+        """run(x, topk_idx, cumulative_stats, wait_stats) -> LowLatencyDispatchResult (no hook);
+        None while tracing."""
+        if _tracing_on:
+            return None
+        key = (T, H, E, K, use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0, index_dtype, False)
         plan, params, launches = self._runner_plan(DispatchSpec, key, self._dispatch_plan)
         for p in params:
             p.num_tokens = N
@@ -434,7 +437,7 @@ class LowLatency:
         empty, i32, i64, new_tuple = torch.empty, torch.int32, torch.int64, tuple.__new__
 
         def run(x, topk_idx, cumulative, wait_stats):
-            if _tracing_on is not trace:
+            if _tracing_on:
                 return general(x, topk_idx, T, E, cumulative, wait_stats, use_fp8, round_scale, use_ue8m0, False)
             if signal_shape != self.signal_shape:
                 self._check_signals(signal_shape, H)
@@ -472,16 +475,18 @@ class LowLatency:
         return run
 
     def combine_runner(self, N, K, index_dtype, T, H, E, poison, general):
-        """run(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats) -> combined_x (no hook)."""
-        trace = _tracing_on
-        plan, params, launches = self._runner_plan(CombineSpec, (T, H, E, K, index_dtype, trace), self._combine_plan)
+        """run(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats) -> combined_x (no hook);
+        None while tracing."""
+        if _tracing_on:
+            return None
+        plan, params, launches = self._runner_plan(CombineSpec, (T, H, E, K, index_dtype, False), self._combine_plan)
         for p in params:
             p.num_tokens = N
         device, device_index, outputs_of = self.gb.device, self._device_index, plan.outputs
         signal_shape, zero_copy_x, bf16 = plan.signal_shape, plan.zero_copy_x, torch.bfloat16
 
         def run(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats):
-            if _tracing_on is not trace:
+            if _tracing_on:
                 return general(x, topk_idx, topk_weights, handle, False, zero_copy, False, out, wait_stats)[0]
             if signal_shape != self.signal_shape:
                 self._check_signals(signal_shape, H)

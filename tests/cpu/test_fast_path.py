@@ -275,3 +275,22 @@ def test_intranode_runners_launch_the_checked_paths_params(stand_in):
         assert _fields(_watched(driver, params_type), outputs[params_type.__name__]) == checked
     assert len(buf._dispatch_runs) == 1 and len(buf._combine_runs) == 1
     assert {run.__name__ for run in (*buf._dispatch_runs.values(), *buf._combine_runs.values())} == {"run"}
+
+
+def test_no_runner_is_made_while_a_profiling_build_is_on(stand_in, monkeypatch):
+    """Traced kernels need the per-call trace rows of the backend method: while set_tracing is on,
+    the backends make no runner (the Buffer then calls the method itself)."""
+    from epcomm.ops import intranode, low_latency
+    buf = stand_in(num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(16, 256, 1, 8), low_latency_mode=True)
+    x, topk_idx = torch.randn(5, 256).bfloat16(), torch.randint(0, 8, (5, 4))
+    gb = buf._backend
+    monkeypatch.setattr(low_latency, "_tracing_on", True)
+    assert gb.low_latency_dispatch_runner(x, topk_idx, 16, 8, False, False, False) is None
+    handle = (torch.zeros(8, 16, dtype=torch.int32), torch.zeros(8, 1, dtype=torch.int64), 16, 256, 8)
+    assert gb.low_latency_combine_runner(topk_idx, handle) is None
+    monkeypatch.setattr(intranode, "_tracing_on", True)
+    normal = stand_in(num_nvl_bytes=1 << 24)
+    i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32)
+    intranode_handle = (i32(1, 1), i32(1, 3), i32(1, 3), i32(5), torch.ones(5, 1, dtype=torch.bool), i32(5, 1))
+    assert normal._backend.dispatch_runner(x, None, intranode_handle, Config(8)) is None
+    assert normal._backend.combine_runner(x, intranode_handle, None, (None, None), Config(8)) is None
