@@ -481,9 +481,10 @@ class Buffer:
             run = self._dispatch_runs.get(signature)
             if run is not None:
                 self._backend.check_errors()
-                r = run(x, None, handle) if type(x) is Tensor else run(x[0], x[1], handle)
-                return (r.recv_x if r.recv_x_scales is None else (r.recv_x, r.recv_x_scales)), None, None, None, None, \
-                    EventOverlap()
+                if type(x) is Tensor:
+                    return run(x, None, handle).recv_x, None, None, None, None, EventOverlap()
+                r = run(x[0], x[1], handle)
+                return (r.recv_x, r.recv_x_scales), None, None, None, None, EventOverlap()
         c = self._begin("Buffer.dispatch")
         self._require_normal_mode(c)
         args = validate.dispatch_args(c, self._internode, self._backend.num_local_ranks, x, handle,
@@ -666,10 +667,10 @@ class Buffer:
         r, event = self._run(c, self._backend.low_latency_dispatch, (*args, return_recv_hook),
                              async_finish=async_finish)
         if signature is not None and key in self._low_latency_agreed:   # not agreed yet under graph capture
-            backend, x, topk_idx = self._backend, args[0], args[1]
+            backend, x_data, index = self._backend, args[0], args[1]
             self._remember(self._ll_dispatch_runs, signature,
                            getattr(backend, "low_latency_dispatch_runner", None) and
-                           (lambda: backend.low_latency_dispatch_runner(x, topk_idx, key[0], key[2], *key[4:])),
+                           (lambda: backend.low_latency_dispatch_runner(x_data, index, key[0], key[2], *key[4:])),
                            lambda x, topk_idx, cumulative, wait: backend.low_latency_dispatch(
                                x, topk_idx, key[0], key[2], cumulative, wait, *key[4:], False))
         recv_x = (r.recv_x, r.recv_x_scales) if use_fp8 else r.recv_x
