@@ -305,6 +305,12 @@ class Buffer:
             runners.clear()
         runners[signature] = general if run is None else run
 
+    def _forget_fast_paths(self) -> None:
+        """Drop every remembered signature: for anything that replaces the backend's plans or
+        buffers (the runners hold Params copies pointing into them)."""
+        for runners in (self._ll_dispatch_runs, self._ll_combine_runs, self._dispatch_runs, self._combine_runs):
+            runners.clear()
+
     def _run(self, c: Call, run: Callable, args: tuple, previous_event=None, async_finish=False,
              allocate_on_comm_stream=False):
         """run(*args) in the stream order the stream arguments ask for (epcomm.streams) -> (its
@@ -416,8 +422,7 @@ class Buffer:
             pass   # already raised by an earlier call
         except EpcommError as e:
             failure = e
-        for runners in (self._ll_dispatch_runs, self._ll_combine_runs, self._dispatch_runs, self._combine_runs):
-            runners.clear()
+        self._forget_fast_paths()
         backend, self._backend, self.runtime = self._backend, None, None
         backend.destroy()
         if failure is not None:
