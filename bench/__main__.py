@@ -29,8 +29,8 @@ def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer iterations and sweep points")
     p.add_argument("--only", default="", metavar="M1,M2",
-                   help="modules to run: copy, startup, baselines, layout, intranode, low_latency, "
-                        "internode (default: all)")
+                   help="modules to run: copy, startup, baselines, layout, intranode, low_latency, host "
+                        "(host issue time per call), internode (default: all)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="folder for the JSON (<UTC date>_<machine>.json) and its PNG plots, or a .json "
                         "path; default bench/results/ in a clone, else the current directory")

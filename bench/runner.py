@@ -19,11 +19,11 @@ from .harness import BenchContext, Case, CheckFailed, Record, Skip
 # Case modules by --only name. "copy" (P2P / device copies) runs in the parent before the ranks
 # start (bench/baselines.py, copy_probe), so no rank process opens a context on another GPU.
 # internode runs last: its path is the newest, so a failure there cannot touch the other figures.
-GPU_MODULES = ("baselines", "layout", "intranode", "low_latency", "internode")
+GPU_MODULES = ("baselines", "layout", "intranode", "low_latency", "host", "internode")
 CPU_MODULES = ("reference",)
 MODULE_PATHS = {"baselines": "bench.baselines", "layout": "bench.layout",
                 "intranode": "bench.intranode", "low_latency": "bench.low_latency",
-                "internode": "bench.internode",
+                "internode": "bench.internode", "host": "bench.host_profile",
                 "reference": "bench.cpu_reference"}
 
 

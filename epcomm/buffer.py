@@ -189,6 +189,9 @@ class Buffer:
         self._low_latency_agreed = set()   # argument sets checked across ranks (_agreed_low_latency)
         self._intranode_fits = set()     # shapes of intranode calls that fit num_nvl_bytes
         self._handle_owner = object()   # marks the handles this Buffer returns (validate.Handle)
+        # The fast path (see _remember): per call kind, validated signature -> runner.
+        self._fast_path = not self._check_values
+        self._ll_dispatch_runs, self._ll_combine_runs, self._dispatch_runs, self._combine_runs = {}, {}, {}, {}
         self._normal_mode_problem = (
             "needs a Buffer with num_nvl_bytes > 0 (see Config.get_nvl_buffer_size_hint), this one has 0"
             if self.num_nvl_bytes == 0 else
@@ -201,6 +204,7 @@ class Buffer:
         # backend's peers time out instead, and its calls keep the plain methods (no wrapper cost).
         self._exchange = getattr(self._backend, "exchange", None)
         if self._exchange is not None:
+            self._fast_path = False   # its calls exchange with the peers on every call anyway
             for name in _COLLECTIVE_METHODS:
                 setattr(self, name, types.MethodType(_rejection_reaches_peers(getattr(Buffer, name)), self))
         self._sync_calls = self._device.type == "cuda" and env.sync_calls()
@@ -286,6 +290,26 @@ class Buffer:
         if c.framework is None or c.framework == "torch":
             return validate.owned_handle(handle, self._handle_owner, num_tokens)
         return c.output(handle)
+
+    # The fast path: a call whose arguments have the signature (validate.*_signature: shapes, dtypes,
+    # devices, flags) of an earlier call that passed every check and ran skips the checks, and the
+    # backend's runner for that signature launches it (the plan resolved, Params prefilled, the
+    # launch bound), or the backend method when the backend has no runner for it. Only synchronous
+    # calls with the default stream arguments take it, only on device Buffers (a CPU Buffer checks
+    # values on every call), and the Buffer's state is still checked on every call (check_errors).
+    _RUNNER_LIMIT = 256   # signatures kept per call kind (token counts vary from call to call)
+
+    def _remember(self, runners: dict, signature, make_runner: Optional[Callable], general: Callable) -> None:
+        run = make_runner() if make_runner else None
+        if len(runners) >= self._RUNNER_LIMIT:
+            runners.clear()
+        runners[signature] = general if run is None else run
+
+    def _forget_fast_paths(self) -> None:
+        """Drop every remembered signature: for anything that replaces the backend's plans or
+        buffers (the runners hold Params copies pointing into them)."""
+        for runners in (self._ll_dispatch_runs, self._ll_combine_runs, self._dispatch_runs, self._combine_runs):
+            runners.clear()
 
     def _run(self, c: Call, run: Callable, args: tuple, previous_event=None, async_finish=False,
              allocate_on_comm_stream=False):
@@ -398,6 +422,7 @@ class Buffer:
             pass   # already raised by an earlier call
         except EpcommError as e:
             failure = e
+        self._forget_fast_paths()
         backend, self._backend, self.runtime = self._backend, None, None
         backend.destroy()
         if failure is not None:
@@ -477,6 +502,18 @@ class Buffer:
             elsewhere), recv_topk_weights [M, K] float32, num_recv_tokens_per_expert_list (E_l ints),
             handle, event. Cached mode returns (recv_x, None, None, None, None, event).
         """
+        signature = None
+        if (handle is not None and self._fast_path and not self._internode and previous_event is None
+                and async_finish is False and allocate_on_comm_stream is False):
+            signature = validate.cached_dispatch_signature(x, handle, topk_idx, topk_weights, expert_alignment,
+                                                           num_worst_tokens, config, self._handle_owner, Buffer.num_sms)
+            run = self._dispatch_runs.get(signature)
+            if run is not None:
+                self._backend.check_errors()
+                if type(x) is Tensor:
+                    return run(x, None, handle).recv_x, None, None, None, None, EventOverlap()
+                r = run(x[0], x[1], handle)
+                return (r.recv_x, r.recv_x_scales), None, None, None, None, EventOverlap()
         c = self._begin("Buffer.dispatch")
         self._require_normal_mode(c)
         args = validate.dispatch_args(c, self._internode, self._backend.num_local_ranks, x, handle,
@@ -494,6 +531,12 @@ class Buffer:
         _, x_scales, handle = args[:3]
         recv_x = r.recv_x if x_scales is None else (r.recv_x, r.recv_x_scales)
         if handle is not None:   # cached mode
+            if signature is not None:
+                backend, x_data = self._backend, args[0]
+                self._remember(self._dispatch_runs, signature,
+                               getattr(backend, "dispatch_runner", None) and
+                               (lambda: backend.dispatch_runner(x_data, x_scales, handle, config)),
+                               lambda x, x_scales, handle: backend.dispatch(x, x_scales, handle, *args[3:], config))
             return c.output(recv_x), None, None, None, None, event
         return (*c.output((recv_x, r.recv_topk_idx, r.recv_topk_weights)), r.num_recv_tokens_per_expert_list,
                 self._returned_handle(c, r.handle), event)
@@ -520,6 +563,21 @@ class Buffer:
             config: Config, default get_combine_config(R); stream arguments as in get_dispatch_layout.
         Returns: combined_x [N, H] bfloat16, combined_topk_weights [N, K] float32 or None, event.
         """
+        signature = None
+        if (self._fast_path and not self._internode and previous_event is None and async_finish is False
+                and allocate_on_comm_stream is False):
+            signature = validate.combine_signature(x, handle, topk_weights, bias, config, self._handle_owner,
+                                                   Buffer.num_sms)
+            run = self._combine_runs.get(signature)
+            if run is not None:
+                self._backend.check_errors()
+                if bias is None:
+                    combined = run(x, handle, topk_weights, None, None)
+                elif type(bias) is Tensor:
+                    combined = run(x, handle, topk_weights, bias, None)
+                else:
+                    combined = run(x, handle, topk_weights, bias[0], bias[1])
+                return combined[0], combined[1], EventOverlap()
         c = self._begin("Buffer.combine")
         self._require_normal_mode(c)
         x, handle, topk_weights, bias = validate.combine_args(c, self._internode, x, handle, topk_weights, bias,
@@ -533,6 +591,13 @@ class Buffer:
             config = c.config("config", config, None) or self.get_combine_config(self.group_size)
         combined, event = self._run(c, self._backend.combine, (x, handle, topk_weights, bias, config),
                                     previous_event, async_finish, allocate_on_comm_stream)
+        if signature is not None:
+            backend, x_data, weights = self._backend, x, topk_weights
+            self._remember(self._combine_runs, signature,
+                           getattr(backend, "combine_runner", None) and
+                           (lambda: backend.combine_runner(x_data, handle, weights, bias, config)),
+                           lambda x, handle, weights, bias0, bias1: backend.combine(x, handle, weights, (bias0, bias1),
+                                                                                    config))
         return (*c.output(tuple(combined)), event)
 
     def _require_internode(self, op: str) -> None:
@@ -605,6 +670,17 @@ class Buffer:
             or [E_l, R*T, H/512] int32, column-major in the last two dims)), recv_count [E_l] int32,
             handle (src_info, layout_range, T, H, E), event, hook (or None).
         """
+        signature = None
+        if async_finish is False and return_recv_hook is False and self._fast_path:
+            signature = validate.ll_dispatch_signature(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                                       cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                                       use_fp8, round_scale, use_ue8m0)
+            run = self._ll_dispatch_runs.get(signature)
+            if run is not None:
+                self._backend.check_errors()
+                r = run(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+                return ((r.recv_x, r.recv_x_scales) if use_fp8 else r.recv_x), r.recv_count, \
+                    validate.owned_handle(r.handle, self._handle_owner, x.shape[0]), EventOverlap(), None
         c = self._begin("Buffer.low_latency_dispatch")
         if async_finish is not False or return_recv_hook is not False:
             async_finish, return_recv_hook = validate.exclusive_hook(c, async_finish, return_recv_hook)
@@ -619,6 +695,13 @@ class Buffer:
             self._agreed_low_latency(c, _LL_DISPATCH_ARGUMENTS, key)
         r, event = self._run(c, self._backend.low_latency_dispatch, (*args, return_recv_hook),
                              async_finish=async_finish)
+        if signature is not None and key in self._low_latency_agreed:   # not agreed yet under graph capture
+            backend, x_data, index = self._backend, args[0], args[1]
+            self._remember(self._ll_dispatch_runs, signature,
+                           getattr(backend, "low_latency_dispatch_runner", None) and
+                           (lambda: backend.low_latency_dispatch_runner(x_data, index, key[0], key[2], *key[4:])),
+                           lambda x, topk_idx, cumulative, wait: backend.low_latency_dispatch(
+                               x, topk_idx, key[0], key[2], cumulative, wait, *key[4:], False))
         recv_x = (r.recv_x, r.recv_x_scales) if use_fp8 else r.recv_x
         hook = r.hook if r.hook is None else self._checked_hook(r.hook)
         return (*c.output((recv_x, r.recv_count)), self._returned_handle(c, r.handle, x.shape[0]), event, hook)
@@ -639,6 +722,15 @@ class Buffer:
             async_finish / return_recv_hook: as in low_latency_dispatch.
         Returns: combined_x [N, H] bfloat16, event, hook (or None).
         """
+        signature = None
+        if async_finish is False and return_recv_hook is False and self._fast_path:
+            signature = validate.ll_combine_signature(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
+                                                      combine_wait_recv_cost_stats, self._handle_owner)
+            run = self._ll_combine_runs.get(signature)
+            if run is not None:
+                self._backend.check_errors()
+                return run(x, topk_idx, topk_weights, handle, zero_copy, out, combine_wait_recv_cost_stats), \
+                    EventOverlap(), None
         c = self._begin("Buffer.low_latency_combine")
         if async_finish is not False or return_recv_hook is not False:
             async_finish, return_recv_hook = validate.exclusive_hook(c, async_finish, return_recv_hook)
@@ -659,6 +751,13 @@ class Buffer:
             async_finish=async_finish)
         if hook is not None:
             hook = self._checked_hook(hook)
+        elif signature is not None and key in self._low_latency_agreed:
+            backend = self._backend
+            self._remember(self._ll_combine_runs, signature,
+                           getattr(backend, "low_latency_combine_runner", None) and not use_logfmt and
+                           (lambda: backend.low_latency_combine_runner(topk_idx, handle)),
+                           lambda x, topk_idx, topk_weights, handle, zero_copy, out, wait: backend.low_latency_combine(
+                               x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, False, out, wait)[0])
         # Hand the caller's own `out` object back, as DeepEP returns `out` itself.
         result = out if out is not None and combined_x is out_t else c.output(combined_x)
         return result, event, hook

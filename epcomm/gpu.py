@@ -249,6 +249,31 @@ class GpuBackend(Backend):
         self._poisoned().after(combined_x, combined_weights)
         return combined_x, combined_weights
 
+    # ---- per-signature fast paths ------------------------------------------------------------
+    # Buffer asks for a runner once it has validated a call signature (arguments as the backend
+    # method takes them); the runner launches like the method, poison fill included. None: the
+    # signature has no runner (internode, empty tensors), Buffer calls the method itself.
+    def dispatch_runner(self, x, x_scales, handle, config):
+        ops = self._normal_mode()
+        make = getattr(ops, "cached_dispatch_runner", None)
+        return None if make is None else make(self, x, x_scales, handle, config, self._poisoned(), self.dispatch)
+
+    def combine_runner(self, x, handle, topk_weights, bias, config):
+        ops = self._normal_mode()
+        make = getattr(ops, "combine_runner", None)
+        return None if make is None else make(self, x, handle, topk_weights, bias, config, self._poisoned(),
+                                              self.combine)
+
+    def low_latency_dispatch_runner(self, x, topk_idx, T, E, use_fp8, round_scale, use_ue8m0):
+        return self._low_latency().dispatch_runner(x.shape[0], x.shape[1], topk_idx.shape[1], topk_idx.dtype, T, E,
+                                                   use_fp8, round_scale, use_ue8m0, self._poisoned(),
+                                                   self.low_latency_dispatch)
+
+    def low_latency_combine_runner(self, topk_idx, handle):
+        _, _, T, H, E = handle
+        return self._low_latency().combine_runner(topk_idx.shape[0], topk_idx.shape[1], topk_idx.dtype, T, H, E,
+                                                  self._poisoned(), self.low_latency_combine)
+
     # ---- low-latency mode --------------------------------------------------------------------
     def _low_latency(self):
         self._require_usable()

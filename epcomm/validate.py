@@ -637,3 +637,96 @@ def ll_combine_args(c: Call, max_topk: int, x, topk_idx, topk_weights, handle, u
     if not (type(use_logfmt) is bool and type(zero_copy) is bool):
         use_logfmt, zero_copy = c.flag("use_logfmt", use_logfmt), c.flag("zero_copy", zero_copy)
     return x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, wait_stats
+
+
+# ---- signatures of the per-call fast path --------------------------------------------------------
+# A Buffer remembers the signature of each call that passed the checks above and ran; a later call
+# with an equal signature skips them (Buffer's fast path). A signature holds everything the checks
+# read: each tensor's shape, dtype, device and contiguity (strides where any are allowed), the
+# scalars, the handle's sizes. Only plain arguments have one (torch tensors, ints, bools, Config):
+# anything else (DLPack arrays, numpy scalars, rebuilt handles) returns None and is checked in full
+# on every call. Signatures never meet values, which only CPU tensors have checked (a Buffer on a
+# CPU device takes no fast path).
+def _tensor_signature(t):
+    """None for None, False for anything but a torch tensor (no fast path), else the signature."""
+    if t is None:
+        return None
+    if type(t) is not _Tensor:
+        return False
+    return t.shape, t.dtype, t.device, t.is_contiguous()
+
+
+def ll_dispatch_signature(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_stats,
+                          wait_stats, use_fp8, round_scale, use_ue8m0):
+    if (type(x) is not _Tensor or type(topk_idx) is not _Tensor or type(num_max_dispatch_tokens_per_rank) is not int
+            or type(num_experts) is not int or type(use_fp8) is not bool or type(round_scale) is not bool
+            or type(use_ue8m0) is not bool):
+        return None
+    cumulative, wait = _tensor_signature(cumulative_stats), _tensor_signature(wait_stats)
+    if cumulative is False or wait is False:
+        return None
+    return (x.shape, x.dtype, x.device, x.is_contiguous(), topk_idx.shape, topk_idx.dtype, topk_idx.device,
+            topk_idx.is_contiguous(), num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
+            cumulative, wait)
+
+
+def ll_combine_signature(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, wait_stats, owner):
+    if (type(x) is not _Tensor or type(topk_idx) is not _Tensor or type(topk_weights) is not _Tensor
+            or not isinstance(handle, Handle) or handle.owner is not owner or type(use_logfmt) is not bool
+            or type(zero_copy) is not bool):
+        return None
+    out_signature, wait = _tensor_signature(out), _tensor_signature(wait_stats)
+    if out_signature is False or wait is False:
+        return None
+    return (x.shape, x.dtype, x.device, x.is_contiguous(), topk_idx.shape, topk_idx.dtype, topk_idx.device,
+            topk_idx.is_contiguous(), topk_weights.shape, topk_weights.dtype, topk_weights.device,
+            topk_weights.is_contiguous(), handle[2], handle[3], handle[4], handle.num_tokens, use_logfmt, zero_copy,
+            out_signature, wait)
+
+
+def _intranode_handle_sizes(handle, owner):
+    """(N, M, G + 1) of an intranode handle this Buffer returned, None for any other handle."""
+    if not isinstance(handle, Handle) or handle.owner is not owner:
+        return None
+    return handle[4].shape[0], handle[3].shape[0], handle[1].shape[1]
+
+
+def cached_dispatch_signature(x, handle, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                              owner, default_sms: int):
+    """Intranode cached dispatch (a handle of `owner`) only; default_sms: what a config of None
+    resolves to depends on (Buffer.num_sms)."""
+    if (topk_idx is not None or topk_weights is not None or type(expert_alignment) is not int
+            or type(num_worst_tokens) is not int or (config is not None and type(config) is not Config)):
+        return None
+    sizes = _intranode_handle_sizes(handle, owner)
+    if sizes is None:
+        return None
+    if type(x) is _Tensor:
+        data, scales = x, None
+    elif type(x) is tuple and len(x) == 2 and type(x[0]) is _Tensor and type(x[1]) is _Tensor:
+        data, scales = x
+        scales = (scales.shape, scales.dtype, scales.device, scales.stride())
+    else:
+        return None
+    return (data.shape, data.dtype, data.device, data.is_contiguous(), scales, sizes, expert_alignment,
+            num_worst_tokens, default_sms if config is None else config)
+
+
+def combine_signature(x, handle, topk_weights, bias, config, owner, default_sms: int):
+    """Intranode combine with a handle of `owner` only (see cached_dispatch_signature)."""
+    if type(x) is not _Tensor or (config is not None and type(config) is not Config):
+        return None
+    sizes = _intranode_handle_sizes(handle, owner)
+    weights = _tensor_signature(topk_weights)
+    if sizes is None or weights is False:
+        return None
+    if bias is None or type(bias) is _Tensor:
+        biases = _tensor_signature(bias)
+    elif type(bias) in (tuple, list) and len(bias) == 2:
+        biases = (type(bias), _tensor_signature(bias[0]), _tensor_signature(bias[1]))
+        if False in biases:
+            return None
+    else:
+        return None
+    return (x.shape, x.dtype, x.device, x.is_contiguous(), weights, biases, sizes,
+            default_sms if config is None else config)

@@ -101,28 +101,45 @@ class _Outputs:
     of host time, a large share of a low-latency call. As safe as the caching allocator's own
     reuse: the tensors go back only to the stream they were made on (stream order puts the new
     kernel after every use queued there), and only when neither a tensor object (Python reference
-    count) nor any view of its storage (storage use count) is left outside this pool. Never used
+    count) nor any view of its storage nor its storage object (storage use count, the storage
+    object's reference count) is left outside this pool. Never used
     during CUDA-graph capture (capture allocates from the graph's pool) nor for hook calls (the
     receive may run on another stream). The memory stays held while pooled, as a cached block."""
 
-    __slots__ = ("stream", "tensors")
+    __slots__ = ("stream", "tensors", "poison", "_storages", "_refs")
 
     def __init__(self):
-        self.stream, self.tensors = None, None
+        # poison: the fill launch of these outputs (ops/poison.py), False until a fast path made it
+        self.stream, self.tensors, self.poison, self._storages, self._refs = None, None, False, (), ()
 
     def take(self, stream: int) -> Optional[tuple]:
         tensors = self.tensors
-        if tensors is None or stream != self.stream or _use_count is None:
+        if tensors is None or stream != self.stream:
             return None
         for t in tensors:
-            # references: the pool's tuple, `t` and getrefcount's argument; storage: the tensor and
-            # the probe's UntypedStorage
-            if t is not None and (sys.getrefcount(t) != 3 or _use_count(t.untyped_storage()._cdata) != 2):
+            # references: the pool's tuple, `t` and getrefcount's argument
+            if t is not None and sys.getrefcount(t) != 3:
                 return None
+        # Each tensor's UntypedStorage, held by the pool: torch keeps one Python object per storage,
+        # so a caller's untyped_storage() is this object and shows in its reference count (compared
+        # with the count `keep` saw, taken by the same loop). Holders of the StorageImpl: its tensor
+        # and that object (which keeps the address valid); a view or a detached alias adds one, a
+        # tensor moved elsewhere with set_ leaves one: either way the set is not handed out.
+        refs, i = self._refs, 0
+        for storage in self._storages:
+            if sys.getrefcount(storage) != refs[i] or _use_count(storage._cdata) != 2:
+                return None
+            i += 1
         return tensors
 
-    def keep(self, stream: int, tensors: tuple) -> None:
-        self.stream, self.tensors = stream, tensors
+    def keep(self, stream: int, tensors: tuple, poison=False) -> None:
+        if _use_count is None:   # a torch without the storage use count: never handed out again
+            return
+        storages = tuple([t.untyped_storage() for t in tensors if t is not None])
+        refs = []
+        for storage in storages:
+            refs.append(sys.getrefcount(storage))
+        self.stream, self.tensors, self.poison, self._storages, self._refs = stream, tensors, poison, storages, refs
 
 
 class DispatchSpec(NamedTuple):
@@ -167,7 +184,8 @@ class _CombinePlan(_Plan):
     __slots__ = ("zero_copy_x",)   # per buffer set: the send buffer a zero-copy combine reads
 
 
-_capturing = torch.cuda.is_current_stream_capturing
+# torch's raw capture query where the build has it (its Python wrapper adds a frame per call)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
 # ---- the per-Buffer state -----------------------------------------------------------------------
@@ -388,6 +406,119 @@ class LowLatency:
             view = self._combine_views[key] = self.gb.rdma.view(
                 torch.bfloat16, (E // self.num_ranks, self.num_ranks * T, H), layout.send(self.next_set))
         return view
+
+    # ---- per-signature fast paths ---------------------------------------------------------------
+    # Buffer validates a call's signature (shapes, dtypes, flags) once and then calls the runner
+    # made here for it: the plan resolved, its Params copied with every field the signature fixes
+    # set, the launches bound; a call sets the pointers, takes its outputs and launches. `poison`
+    # (ops/poison.py) fills the outputs after a failed wait; `general` is the backend's method,
+    # taken while a profiling build is switched on (set_tracing), which the runner does not cover
+    # (none is made while it is on: the Buffer then calls the method itself).
+    def _runner_plan(self, spec_type, key, build):
+        plan = plan_for(self.gb, spec_type, key, build)
+        params = tuple(type(p).from_buffer_copy(p) for p in plan.params)
+        for p in params:
+            p.trace, p.phases = 0, SEND | RECV
+        launches = tuple(plan.kernel.launcher(self._grid, self._block, p, plan.smem) for p in params)
+        return plan, params, launches
+
+    def dispatch_runner(self, N, H, K, index_dtype, T, E, use_fp8, round_scale, use_ue8m0, poison, general):
+        """run(x, topk_idx, cumulative_stats, wait_stats) -> LowLatencyDispatchResult (no hook);
+        None while tracing."""
+        if _tracing_on:
+            return None
+        key = (T, H, E, K, use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0, index_dtype, False)
+        plan, params, launches = self._runner_plan(DispatchSpec, key, self._dispatch_plan)
+        for p in params:
+            p.num_tokens = N
+        device, device_index, outputs_of = self.gb.device, self._device_index, plan.outputs
+        x_shape, x_dtype, scales, info_shape = plan.x_shape, plan.x_dtype, plan.scales, plan.src_info_shape
+        layout_shape, count_shape, signal_shape = plan.layout_shape, plan.count_shape, plan.signal_shape
+        empty, i32, i64, new_tuple = torch.empty, torch.int32, torch.int64, tuple.__new__
+
+        def run(x, topk_idx, cumulative, wait_stats):
+            if _tracing_on:
+                return general(x, topk_idx, T, E, cumulative, wait_stats, use_fp8, round_scale, use_ue8m0, False)
+            if signal_shape != self.signal_shape:
+                self._check_signals(signal_shape, H)
+            buffer_set = self.next_set
+            self.next_set = buffer_set ^ 1
+            stream = current_stream(device_index)
+            pool = None if _capturing() else outputs_of[buffer_set]
+            outputs = pool.take(stream) if pool is not None else None
+            if outputs is None:
+                s = None if scales is None else torch.empty_strided(scales[0], scales[1], dtype=scales[2], device=device)
+                outputs = (empty(x_shape, dtype=x_dtype, device=device), s, empty(info_shape, dtype=i32, device=device),
+                           empty(layout_shape, dtype=i64, device=device), empty(count_shape, dtype=i32, device=device))
+                fill = poison.prepared(outputs[0], s, outputs[4])
+                if pool is not None:
+                    pool.keep(stream, outputs, fill)
+            else:
+                fill = pool.poison
+                if fill is False:
+                    fill = pool.poison = poison.prepared(outputs[0], outputs[1], outputs[4])
+            recv_x, s, src_info, layout_range, recv_count = outputs
+            del outputs
+            p = params[buffer_set]
+            p.x, p.topk_idx, p.recv_x = x.data_ptr(), topk_idx.data_ptr(), recv_x.data_ptr()
+            p.recv_scales = 0 if s is None else s.data_ptr()
+            p.recv_src_info, p.recv_layout_range = src_info.data_ptr(), layout_range.data_ptr()
+            p.recv_count = recv_count.data_ptr()
+            p.cumulative_recv_stats = 0 if cumulative is None else cumulative.data_ptr()
+            p.wait_recv_cost_stats = 0 if wait_stats is None else wait_stats.data_ptr()
+            launches[buffer_set](stream)
+            if fill is not None:
+                fill(stream)
+            # tuple.__new__: the NamedTuples' own constructors are Python frames
+            return new_tuple(LowLatencyDispatchResult, (recv_x, s, recv_count, new_tuple(
+                LowLatencyHandle, (src_info, layout_range, T, H, E)), None))
+        return run
+
+    def combine_runner(self, N, K, index_dtype, T, H, E, poison, general):
+        """run(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats) -> combined_x (no hook);
+        None while tracing."""
+        if _tracing_on:
+            return None
+        plan, params, launches = self._runner_plan(CombineSpec, (T, H, E, K, index_dtype, False), self._combine_plan)
+        for p in params:
+            p.num_tokens = N
+        device, device_index, outputs_of = self.gb.device, self._device_index, plan.outputs
+        signal_shape, zero_copy_x, bf16 = plan.signal_shape, plan.zero_copy_x, torch.bfloat16
+
+        def run(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats):
+            if _tracing_on:
+                return general(x, topk_idx, topk_weights, handle, False, zero_copy, False, out, wait_stats)[0]
+            if signal_shape != self.signal_shape:
+                self._check_signals(signal_shape, H)
+            buffer_set = self.next_set
+            self.next_set = buffer_set ^ 1
+            stream = current_stream(device_index)
+            fill = None
+            if out is None:
+                pool = None if _capturing() else outputs_of[buffer_set]
+                pooled = pool.take(stream) if pool is not None else None
+                if pooled is not None and pooled[0].shape[0] == N:
+                    out, fill = pooled[0], pool.poison
+                    if fill is False:
+                        fill = pool.poison = poison.prepared(out)
+                else:
+                    out = torch.empty((N, H), dtype=bf16, device=device)
+                    fill = poison.prepared(out)
+                    if pool is not None:
+                        pool.keep(stream, (out,), fill)
+                del pooled
+            else:
+                fill = poison.prepared(out)
+            p = params[buffer_set]
+            p.x = zero_copy_x[buffer_set] if zero_copy else x.data_ptr()
+            p.src_info, p.layout_range = handle[0].data_ptr(), handle[1].data_ptr()
+            p.topk_idx, p.topk_weights, p.out = topk_idx.data_ptr(), topk_weights.data_ptr(), out.data_ptr()
+            p.wait_recv_cost_stats = 0 if wait_stats is None else wait_stats.data_ptr()
+            launches[buffer_set](stream)
+            if fill is not None:
+                fill(stream)
+            return out
+        return run
 
     # ---- maintenance -------------------------------------------------------------------------
     def clean_buffer(self, T: int, H: int, E: int) -> None:

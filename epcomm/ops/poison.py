@@ -9,13 +9,13 @@ or a count of -1. The host learns of the failure only at its next look at the re
 Buffer call, check_errors, an event wait or hook), and by then the caller may already have queued
 work reading the outputs: a fill ordered on the stream is the one that reaches every consumer.
 
-Cost on success: one launch on the host (the Params are prebuilt per target count; a few ctypes
-field writes and cuLaunchKernel) and, on the GPU, one block that reads one int of host memory.
+Cost on success: one launch on the host (the Params and the launch are prebuilt per output set:
+one cuLaunchKernel) and, on the GPU, one block that reads one int of host memory.
 Handle tensors are not touched: a later combine with them must stay within bounds.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -54,9 +54,10 @@ def pattern(dtype: torch.dtype) -> int:
 
 
 class Poison:
-    """The poison launch of one GpuBackend (its error record, its device). Params are built once
+    """The poison launch of one GpuBackend (its error record, its device). The launch is built once
     per set of outputs (data pointer, bytes, dtype) and kept: low-latency calls cycle through two
-    pooled output sets, so their launches reuse a prebuilt struct."""
+    pooled output sets, so their launches reuse a prebuilt struct; the per-signature fast paths hold
+    the launch of their pooled outputs themselves (`prepared`)."""
 
     _CACHE_LIMIT = 64
 
@@ -64,22 +65,27 @@ class Poison:
         self._device_index = gb.device_index
         self._kernel = get_kernel(poison_source(), 0, gb.device_index, gb.arch.feature)
         self._err = gb.status.device_ptr
-        self._params: Dict[tuple, Optional[PoisonParams]] = {}
+        self._launches: Dict[tuple, Optional[Callable[[int], None]]] = {}
 
     def after(self, *outputs: Optional[torch.Tensor]) -> None:
         """Queue the fill of `outputs` (None entries skipped) on the current stream, for a failure."""
-        key = tuple([None if t is None else (t.data_ptr(), t.nbytes, t.dtype) for t in outputs])
-        p = self._params.get(key, False)
-        if p is False:
-            p = self._build(outputs, key)
-        if p is not None:
-            self._kernel.launch((1, 1, 1), (THREADS, 1, 1), p, _stream(self._device_index))
+        launch = self.prepared(*outputs)
+        if launch is not None:
+            launch(_stream(self._device_index))
 
-    def _build(self, outputs, key) -> Optional[PoisonParams]:
+    def prepared(self, *outputs: Optional[torch.Tensor]) -> Optional[Callable[[int], None]]:
+        """launch(stream): the fill of `outputs` (None entries skipped), or None when none has bytes."""
+        key = tuple([None if t is None else (t.data_ptr(), t.nbytes, t.dtype) for t in outputs])
+        launch = self._launches.get(key, False)
+        if launch is False:
+            launch = self._build(outputs, key)
+        return launch
+
+    def _build(self, outputs, key) -> Optional[Callable[[int], None]]:
         targets = [t for t in outputs if t is not None and t.numel()]
         if len(targets) > MAX_TARGETS:
             raise ValueError(f"poison: at most {MAX_TARGETS} outputs per call, got {len(targets)}")
-        p = None
+        launch = None
         if targets:
             p = PoisonParams()
             p.err, p.num_targets = self._err, len(targets)
@@ -88,7 +94,8 @@ class Poison:
                     raise ValueError(f"poison: an output of shape {list(t.shape)} with strides {t.stride()} does "
                                      f"not cover one dense block of memory")
                 slot.data, slot.bytes, slot.pattern = t.data_ptr(), t.nbytes, pattern(t.dtype)
-        if len(self._params) >= self._CACHE_LIMIT:
-            self._params.clear()
-        self._params[key] = p
-        return p
+            launch = self._kernel.launcher((1, 1, 1), (THREADS, 1, 1), p)
+        if len(self._launches) >= self._CACHE_LIMIT:
+            self._launches.clear()
+        self._launches[key] = launch
+        return launch

@@ -4,7 +4,8 @@
 ctypes.Structure by value (the kernel's single Params argument). It is on every call's critical
 path, so a plain launch is one ctypes call (cuLaunchKernel) with a per-thread, prebuilt
 kernelParams array; cooperative launches are one cuLaunchCooperativeKernel call (same argument
-list).
+list). `Kernel.launcher(grid, block, params, smem)` binds all but the stream once, for the per-call
+fast paths that launch one prefilled Params object again and again.
 
 The first launch with a given Params class checks it against the kernel: its size against the
 kernel's parameter in the cubin (cuFuncGetParamInfo), and its name against the parameter type in
@@ -15,6 +16,7 @@ loudly instead of launching with garbage.
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 import threading
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
@@ -121,6 +123,13 @@ def param_type_names(lowered_name: str) -> set:
     return names
 
 
+class LaunchConfigEx(ctypes.Structure):
+    """CUlaunchConfig (cuda.h), without launch attributes."""
+    _fields_ = [("gridDimX", c_uint), ("gridDimY", c_uint), ("gridDimZ", c_uint), ("blockDimX", c_uint),
+                ("blockDimY", c_uint), ("blockDimZ", c_uint), ("sharedMemBytes", c_uint), ("hStream", c_void_p),
+                ("attrs", c_void_p), ("numAttrs", c_uint)]
+
+
 class LaunchConfig(NamedTuple):
     grid: Tuple[int, int, int]
     block: Tuple[int, int, int]
@@ -146,6 +155,7 @@ class Kernel:
         # fits: grid and block dims < 2**31, smem < 2**31.
         self._launch = _untyped(lib, "cuLaunchKernel")
         self._launch_cooperative = _untyped(lib, "cuLaunchCooperativeKernel")
+        self._launch_ex = _untyped(lib, "cuLaunchKernelEx")   # for launcher(); None before CUDA 12.0
         self._handle = c_void_p(function)
 
     # ---- launch ------------------------------------------------------------------------------
@@ -169,6 +179,47 @@ class Kernel:
             self._retry_in_context(self._launch, (self._handle, grid[0], grid[1], grid[2], block[0],
                                                   block[1], block[2], smem, c_void_p(stream), args, None),
                                    rc, LaunchConfig(tuple(grid), tuple(block), smem, stream, False))
+
+    def launcher(self, grid, block, params: ctypes.Structure, smem: int = 0):
+        """launch(stream) of this kernel with `params` (checked now), for a caller that launches one
+        Params object over and over. Everything but the stream is bound once: with
+        cuLaunchKernelEx (CUDA >= 12.0) a launch passes four prebuilt ctypes objects (the launch
+        config, whose stream field changes only with the stream, the function, the kernelParams
+        array), so no argument is converted per call; older drivers get cuLaunchKernel with the
+        dims bound. The array belongs to `params`: like the struct itself, it must not be
+        launched from two threads at once."""
+        if type(params) is not self._checked_params_type:
+            self._check_params(params)
+        args = (c_void_p * 1)(_addressof(params))
+        handle = self._handle
+        dims = (grid[0], grid[1], grid[2], block[0], block[1], block[2], smem)
+
+        def failed(rc: int, stream: int) -> None:
+            self._retry_in_context(self._launch, (handle, *dims, c_void_p(stream), args, None), rc,
+                                   LaunchConfig(tuple(grid), tuple(block), smem, stream, False))
+
+        launch_ex = self._launch_ex
+        if launch_ex is None:
+            bound = functools.partial(self._launch, handle, *dims)
+
+            def launch(stream: int) -> None:
+                rc = bound(_c_void_p(stream), args, None)
+                if rc:
+                    failed(rc, stream)
+        else:
+            config = LaunchConfigEx(*dims, None, None, 0)
+            config_ptr = c_void_p(_addressof(config))
+            current = [None]   # the stream the config holds
+
+            def launch(stream: int) -> None:
+                if stream != current[0]:
+                    config.hStream, current[0] = stream, stream
+                rc = launch_ex(config_ptr, handle, args, None)
+                if rc:
+                    failed(rc, stream)
+            launch.config = config
+        launch.params = params   # the launch reads them: they live as long as the launcher
+        return launch
 
     def _retry_in_context(self, fn, fn_args, rc: int, config: "LaunchConfig") -> None:
         """After a failed launch call: a wrong (or no) current context on this thread is retried in

@@ -44,6 +44,11 @@ int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
                    unsigned smem, void *stream, void **params, void **extra) {
     unsigned dims[7] = {gx, gy, gz, bx, by, bz, smem}; last_coop = -1; return record(dims, stream, params);
 }
+typedef struct { unsigned dims[7]; void *stream; void *attrs; unsigned num_attrs; } LaunchConfigEx;
+int ex_launches = 0;
+int cuLaunchKernelEx(const LaunchConfigEx *c, void *f, void **params, void **extra) {
+    last_coop = -2; if (c->attrs || c->num_attrs || extra) return 1; ++ex_launches; return record(c->dims, c->stream, params);
+}
 int cuLaunchCooperativeKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                               unsigned bz, unsigned smem, void *stream, void **params) {
     unsigned dims[7] = {gx, gy, gz, bx, by, bz, smem}; last_coop = 2; return record(dims, stream, params);
@@ -86,6 +91,29 @@ def test_plain_launch_passes_dims_stream_and_params_by_value(fake):
     assert list((ctypes.c_uint * 7).in_dll(fake, "last_dims")) == [3, 2, 1, 128, 1, 1, 4096]
     assert read(fake, "last_stream", ctypes.c_void_p) == 0x5555
     assert bytes((ctypes.c_ubyte * 24).in_dll(fake, "last_params")) == bytes(params)
+
+
+def test_a_bound_launch_passes_dims_stream_and_the_params_as_they_are_at_launch(fake):
+    """Kernel.launcher: cuLaunchKernelEx (marker -2) with the launch config built once; the stream
+    field follows the stream passed; the Params bytes are read at each launch."""
+    k = make_kernel()
+    params = Params(0xABC, 1, 2)
+    launch = k.launcher((5, 1, 1), (256, 1, 1), params, smem=1024)
+    for stream, n in ((0x77, 1), (0x77, 2), (0x99, 3), (0, 4)):
+        params.n = n
+        launch(stream)
+        assert read(fake, "last_coop") == -2 and read(fake, "ex_launches") == n
+        assert list((ctypes.c_uint * 7).in_dll(fake, "last_dims")) == [5, 1, 1, 256, 1, 1, 1024]
+        assert (read(fake, "last_stream", ctypes.c_void_p) or 0) == stream
+        assert bytes((ctypes.c_ubyte * 24).in_dll(fake, "last_params")) == bytes(params)
+    with pytest.raises(TypeError, match="24-byte Params"):
+        class Wrong(ctypes.Structure):
+            _fields_ = [("out", ctypes.c_void_p)]
+        k.launcher((1, 1, 1), (32, 1, 1), Wrong())
+    k._launch_ex = None   # a driver before CUDA 12.0: cuLaunchKernel with the dims bound
+    k.launcher((2, 1, 1), (64, 1, 1), params)(0x55)
+    assert read(fake, "last_coop") == -1 and read(fake, "ex_launches") == 4
+    assert list((ctypes.c_uint * 7).in_dll(fake, "last_dims")) == [2, 1, 1, 64, 1, 1, 0]
 
 
 def test_cooperative_launches(fake):

@@ -98,3 +98,28 @@ def test_hook_launches_the_receive_part_when_called(setup):
     result.hook()
     assert [params.phases for _, params, _ in recorder.launched] == [low_latency.SEND, low_latency.RECV]
     assert recorder.launched[1][1].recv_x == result.recv_x.data_ptr()
+
+
+def test_pooled_outputs_come_back_only_when_nothing_outside_holds_them():
+    """_Outputs hands a set out again only when no tensor object, view, detached alias or storage
+    object of any of its tensors is held outside, and only on the stream it was made on."""
+    pool = low_latency._Outputs()
+
+    def fresh():
+        tensors = (torch.empty(4, 8), None, torch.empty(3, dtype=torch.int32))
+        pool.keep(7, tensors)
+        return tensors
+
+    holds = [lambda t: t[0], lambda t: t[2].view(3, 1), lambda t: t[0].detach(), lambda t: t[2].untyped_storage(),
+             lambda t: t[0][1:]]
+    for hold in holds:
+        kept = fresh()
+        held = hold(kept)
+        del kept
+        assert pool.take(7) is None, "a set with something held outside came back"
+        del held
+        assert pool.take(7) is not None and pool.take(8) is None
+    kept = fresh()
+    kept[0].set_(torch.empty(2))   # moved to other memory: its old storage is no longer its own
+    del kept
+    assert pool.take(7) is None
