@@ -93,6 +93,7 @@ def _backend(nvl_bytes: int, rdma_bytes: int, low_latency_mode: bool):
     gb.device, gb.device_index, gb.low_latency_mode = CPU, 0, low_latency_mode
     gb.options, gb.timeout_ns, gb.plans = {}, 10 ** 11, {}
     gb._ll = gb._normal_ops = gb._poison = None
+    gb._unrecoverable = None
     gb.arch = SimpleNamespace(num_sms=132, feature=90)
     record = ctypes.c_int64(0)
     gb.status = SimpleNamespace(device_ptr=ctypes.addressof(record), error=None, check=lambda: None, _keep=record)

@@ -450,6 +450,8 @@ class Buffer:
                 raise c.error("timeout_s", f"must be > 0 and finite, got {timeout_s}")
         if self._backend is None:
             raise BufferUnusable("Buffer.recover: the Buffer was destroyed")
+        # Recovery resets the backend's buffer and low-latency state the runners were built over.
+        self._forget_fast_paths()
         self._backend.recover(None if timeout_s is None else float(timeout_s))
 
     # ---- normal mode ---------------------------------------------------------------------------
