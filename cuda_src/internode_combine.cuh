@@ -1,6 +1,8 @@
-// Internode combine, device side: push rows over NVLink to the RDMA peer of their source, reduce
-// per node in fp32, put the partial sums over RDMA, sum the nodes at the source. Protocol:
-// cuda_src/README.md.
+// Internode combine, device side: per channel, a pushing block moves every received row over
+// NVLink into a FIFO of its source's RDMA peer here; a reducing warp of that rank sums each
+// token's rows of local ranks 0..L-1 in fp32 and streams the partial sums to the source through
+// fixed-size rings; a receiving warp of the source adds bias and the nodes' partials in order.
+// Protocol: cuda_src/README.md.
 #pragma once
 #include "internode_protocol.cuh"
 
@@ -15,149 +17,285 @@ struct Combine {
     using Partial = PartialLayout<kRowInt4>;
     using H = Header<kRanks, kNodes>;
 
-    // Pushed row: bf16 row | weights f32[kMaxTopk] | u64 tag; partial sum: fp32 row | weights
-    // f32[kMaxTopk] | u64 tag. Both hold kMaxTopk weights whatever K is, so the tag sits at the same
-    // place on every rank. Tag = mix(epoch) + K of the rank that wrote it: a pushed slot without
-    // this call's mix was not pushed (the token does not go to that local rank); one with this
-    // call's mix but another K (some ranks passed topk_weights, others not, or another K) is a
-    // kPhaseConfigMismatch. The mix is 64-bit, not the epoch itself: the data region is shared with
-    // notify and dispatch, whose small integers could otherwise sit where a tag is read (random
-    // bytes land within kMaxTopk of it with probability ~2^-59).
-    static constexpr long long kPushTag = kRowBytes + 4LL * kMaxTopk;
-    static constexpr long long kPartialTag = kPartialRowBytes + 4LL * kMaxTopk;
-    static __device__ __forceinline__ unsigned long long tag_of(unsigned long long epoch) { return mix_epoch(epoch); }
-    // K of the writer of a tag from this call, or -1 (not written by this call).
-    static __device__ __forceinline__ int tag_topk(unsigned long long tag, unsigned long long epoch) {
-        const unsigned long long k = tag - tag_of(epoch);
-        return k <= kMaxTopk ? static_cast<int>(k) : -1;
+    // FIFO entry: bf16 row | weights f32[kMaxTopk] | K i32 | pad | u64 tag; partial sum: fp32 row |
+    // weights f32[kMaxTopk] | K i32. K is that of the writer: another K than the reader's (some
+    // ranks passed topk_weights, others not) is a kPhaseConfigMismatch.
+    static constexpr long long kPushTopk = kRowBytes + 4LL * kMaxTopk;
+    static constexpr long long kPushTag = kPushTopk + 8;
+    static constexpr long long kPartialTopk = kPartialRowBytes + 4LL * kMaxTopk;
+    // The tag of the entry of linear index q in this call: a bijection of (epoch, q), mixed so that
+    // bytes other kernels left in the FIFO region never match it by accident (p ~ 2^-64).
+    static __device__ __forceinline__ unsigned long long tag_of(unsigned long long epoch, int q) {
+        return mix_epoch(epoch ^ (static_cast<unsigned long long>(q) << 40));
     }
 
-    // Step 1: every received row goes to slot [this local rank][source node][record index] in the
-    // buffer of its source's RDMA peer on this node. The last block to finish tells the local ranks.
-    static __device__ void push(const CombineParams &p, char *const *peers, const Call &c) {
-        const int node = c.node, local = c.local;
-        const unsigned long long epoch = c.epoch;
+    // The reducer of channel ch on rank (node, l) serves the sources (n, l), n = 0..M-1, in one
+    // linear order: q = (records of sources (0..n-1, l) in channel ch) + index of the record among
+    // (n, l)'s. Both sides of a FIFO compute it from the same recv_rdma_channel_prefix rows.
+    static __device__ __forceinline__ int records_of(const CombineParams &p, int s, int ch, int *first) {
+        const int stride = p.num_channels + 1;
+        *first = __ldg(p.recv_rdma_channel_prefix + s * stride + ch);
+        return __ldg(p.recv_rdma_channel_prefix + s * stride + ch + 1) - *first;
+    }
+
+    // This rank's rows from source s whose record index lies in [lo, hi): rows of s are
+    // contiguous, record index ascending (recv_src_meta[2]), so a binary search finds them.
+    static __device__ __forceinline__ int lower_row(const CombineParams &p, int row_lo, int row_hi, int index) {
+        while (row_lo < row_hi) {
+            const int mid = (row_lo + row_hi) / 2;
+            if (__ldg(p.recv_src_meta + 3LL * mid + 2) < index) row_lo = mid + 1;
+            else row_hi = mid;
+        }
+        return row_lo;
+    }
+
+    struct PushState {
+        int n, row, row_end, q_base, written, published;   // source node, next row, rows end, ...
+    };
+
+    // Pusher state for reducer l: position on the first source node with rows left.
+    static __device__ void push_seek(const CombineParams &p, int ch, int l, PushState &st) {
+        while (st.row >= st.row_end && st.n < kNodes) {
+            int first;
+            if (st.n >= 0) st.q_base += records_of(p, st.n * kLocal + l, ch, &first);
+            if (++st.n >= kNodes) break;
+            const int s = st.n * kLocal + l;
+            const int cnt = records_of(p, s, ch, &first);
+            const int rows_lo = s == 0 ? 0 : __ldg(p.recv_gbl_rank_prefix_sum + s - 1);
+            const int rows_hi = __ldg(p.recv_gbl_rank_prefix_sum + s);
+            st.row = lower_row(p, rows_lo, rows_hi, first);
+            st.row_end = lower_row(p, st.row, rows_hi, first + cnt);
+        }
+    }
+    // Linear index of the pusher's next row (the total once it has none left).
+    static __device__ __forceinline__ int push_next_q(const CombineParams &p, int ch, int l, const PushState &st) {
+        if (st.n >= kNodes) return st.q_base;
+        int first;
+        records_of(p, st.n * kLocal + l, ch, &first);
+        return st.q_base + __ldg(p.recv_src_meta + 3LL * st.row + 2) - first;
+    }
+
+    // Pusher, one stream = (channel ch, reducer l of this node): this rank's rows from the sources
+    // (n, l), in linear order, into the FIFO [ch][this local rank] of rank (node, l), entry w in
+    // slot w % push_ring once the reducer consumed entry w - push_ring (kPushHead); after each
+    // batch the linear index of the next row goes to the reducer (kPushProgress): every index
+    // below it that has no entry was not sent to this rank. False if it could not move.
+    static __device__ bool push_step(const CombineParams &p, char *const *peers, const Call &c, int ch, int l,
+                                     PushState &st) {
         const int lane = lane_id(), k_top = p.num_topk;
-        const int rows = __ldg(p.recv_gbl_rank_prefix_sum + kRanks - 1), num_warps = gridDim.x * kWarps;
-        const long long cap = p.capacity;
-        for (int r = blockIdx.x * kWarps + warp_id(); r < rows; r += num_warps) {
-            const int s = __ldg(p.recv_src_meta + 3LL * r), i = __ldg(p.recv_src_meta + 3LL * r + 2);
-            if (s < 0 || s >= kRanks || i < 0 || i >= cap) continue;   // never past the slots (fits_capacity)
-            char *slot = peers[node * kLocal + s % kLocal] + p.push_offset +
-                         ((long long)(local * kNodes + s / kLocal) * cap + i) * p.push_bytes;
+        const int reducer = c.node * kLocal + l;
+        char *fifo = reinterpret_cast<char *>(__ldg(p.push_bases + reducer)) + p.push_offset +
+                     (long long)(ch * kLocal + c.local) * p.push_ring * p.push_bytes;
+        const unsigned int head = min_stamped(word_at(c.base, H::kPushHead + 8LL * (ch * kLocal + l)), 1, 1, c.epoch);
+        const int batch = min(p.push_chunk, (int)head + p.push_ring - st.written);
+        bool moved = false;
+        for (int b = 0; b < batch && st.n < kNodes; ++b) {
+            const int r = st.row;
+            const int q = push_next_q(p, ch, l, st);
+            char *entry = fifo + (long long)(st.written % p.push_ring) * p.push_bytes;
             const int4 *row = reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + (long long)r * kRowBytes);
-            warp_copy<4>(reinterpret_cast<int4 *>(slot), kRowInt4, lane, [&](int u) { return ld_nc_v4(row + u); });
+            warp_copy<4>(reinterpret_cast<int4 *>(entry), kRowInt4, lane, [&](int u) { return ld_nc_v4(row + u); });
             if (lane < k_top)
-                reinterpret_cast<float *>(slot + kRowBytes)[lane] =
+                reinterpret_cast<float *>(entry + kRowBytes)[lane] =
                     p.topk_weights != nullptr ? __ldg(p.topk_weights + (long long)r * k_top + lane) : 0.f;
-            if (lane == 0) *reinterpret_cast<unsigned long long *>(slot + kPushTag) = tag_of(epoch) + k_top;
+            if (lane == 0) {
+                *reinterpret_cast<int *>(entry + kPushTopk) = k_top;
+                *reinterpret_cast<unsigned long long *>(entry + kPushTag) = tag_of(c.epoch, q);
+            }
+            ++st.written;
+            ++st.row;
+            push_seek(p, ch, l, st);
+            moved = true;
         }
-        __syncthreads();
-        if (threadIdx.x != 0) return;
-        char *base = c.base;
-        auto *ticket = reinterpret_cast<unsigned int *>(base + H::kPushTicket);
-        fence_acq_rel_sys();   // this block's NVLink stores (ordered by the barrier) before its arrival
-        if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
-        fence_acq_rel_sys();
-        *ticket = 0;
-        for (int j = 0; j < kLocal; ++j)
-            st_release_sys(signal_word(peers[node * kLocal + j], H::kPushDone, local), epoch);
+        const int next = push_next_q(p, ch, l, st);
+        if (next != st.published) {
+            __syncwarp();
+            if (lane == 0) put_word(c.base, peers[reducer], H::kPushProgress + 8LL * (ch * kLocal + c.local),
+                                    stamped(c.epoch, next), reducer);
+            __syncwarp();
+            st.published = next;
+            moved = true;
+        }
+        return moved;
     }
 
-    // Step 2 (this rank as the RDMA peer of the sources (n, local)): per source node n, record i,
-    // sum the pushed rows of local ranks 0..L-1 in that order in fp32, then put each chunk of
-    // `chunk_records` partial sums to (n, local) with one signal (or, its buffer mapped, write them
-    // there and release the signal). Blocks take (node, chunk) items.
-    static __device__ void reduce(const CombineParams &p, char *const *peers, const Call &c) {
-        const int lane = lane_id(), warp = warp_id(), k_top = p.num_topk, stride = p.num_chunks + 1;
-        const int node = c.node, local = c.local;
-        const unsigned long long epoch = c.epoch;
-        const Guard &guard = c.guard;
-        char *base = c.base;
-        bool ok = true;
-        if (warp == 0 && lane < kLocal)
-            ok = wait_at_least(guard, signal_word(base, H::kPushDone, lane), epoch, node * kLocal + lane, kPhasePushes);
-        if (!__syncthreads_and(ok)) return;
-        const long long cap = p.capacity, pb = p.partial_bytes;
-        const int chunks_per_node = (p.capacity + p.chunk_records - 1) / p.chunk_records;
-        for (int item = blockIdx.x; item < kNodes * chunks_per_node; item += gridDim.x) {
-            const int n = item / chunks_per_node, c = item % chunks_per_node;
-            const int count = __ldg(p.recv_rdma_channel_prefix + (n * kLocal + local) * stride + p.num_chunks);
-            // lo < capacity; hi never past it (count <= the source's N <= capacity: fits_capacity)
-            const int lo = c * p.chunk_records, hi = min(min(count, lo + p.chunk_records), p.capacity);
-            if (lo >= hi) continue;   // uniform over the block
-            for (int i = lo + warp; i < hi; i += kWarps) {
-                const char *slots[kLocal];
-                unsigned present = 0;
+    // Block 2ch: pushers, warp w owning the reducers l = w, w + W, ...
+    static __device__ void push(const CombineParams &p, char *const *peers, const Call &c, int ch) {
+        constexpr int kOwned = (kLocal + kWarps - 1) / kWarps;
+        PushState st[kOwned];
+        const int warp = warp_id();
+        for (int o = 0; o < kOwned; ++o) {
+            st[o] = PushState{-1, 0, 0, 0, 0, -1};
+            if (warp + o * kWarps < kLocal) push_seek(p, ch, warp + o * kWarps, st[o]);
+        }
+        Spinner spin;
+        while (true) {
+            bool all_done = true, moved = false;
+            int waiting = -1;
 #pragma unroll
-                for (int j = 0; j < kLocal; ++j) {
-                    slots[j] = base + p.push_offset + ((long long)(j * kNodes + n) * cap + i) * p.push_bytes;
-                    const int k = tag_topk(ld_relaxed_sys(reinterpret_cast<const unsigned long long *>(slots[j] + kPushTag)), epoch);
-                    if (k >= 0 && k != k_top && lane == 0) guard.violation(node * kLocal + j, kPhaseConfigMismatch);
-                    present |= (k >= 0) << j;
-                }
-                char *holder = peers[n * kLocal + local];   // mapped: write the partial in place
-                char *dst = holder != nullptr ? holder + p.partial_recv_offset + (node * cap + i) * pb
-                                              : base + p.partial_stage_offset + (n * cap + i) * pb;
-                for (int u = lane; u < kRowInt4; u += 32) {
-                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                    for (int j = 0; j < kLocal; ++j)
-                        if (present >> j & 1u) add_bf16x8(acc, ld_cg_v4(slots[j] + 16 * u));
-                    *reinterpret_cast<float4 *>(Partial::lo(dst, u)) = make_float4(acc[0], acc[1], acc[2], acc[3]);
-                    *reinterpret_cast<float4 *>(Partial::hi(dst, u)) = make_float4(acc[4], acc[5], acc[6], acc[7]);
-                }
-                if (lane < k_top) {
-                    float w = 0.f;
-                    for (int j = 0; j < kLocal; ++j)
-                        if (present >> j & 1u) w += ld_cg(reinterpret_cast<const float *>(slots[j] + kRowBytes) + lane);
-                    reinterpret_cast<float *>(dst + kPartialRowBytes)[lane] = w;
-                }
-                if (lane == 0) *reinterpret_cast<unsigned long long *>(dst + kPartialTag) = tag_of(epoch) + k_top;
+            for (int o = 0; o < kOwned; ++o) {
+                const int l = warp + o * kWarps;
+                if (l >= kLocal) continue;
+                if (st[o].n >= kNodes && st[o].published == st[o].q_base) continue;
+                all_done = false;
+                if (push_step(p, peers, c, ch, l, st[o])) moved = true;
+                else waiting = c.node * kLocal + l;
             }
-            __syncthreads();
-            if (warp == 0) {
-                char *holder = peers[n * kLocal + local];
-                publish_run(base + p.partial_recv_offset + (node * cap + lo) * pb, base + p.partial_stage_offset + (n * cap + lo) * pb,
-                            (size_t)(hi - lo) * pb,
-                            signal_word(holder != nullptr ? holder : base, H::kPartialSignal, node * kMaxChunks + c),
-                            epoch, n * kLocal + local, holder != nullptr);
-            }
-            __syncthreads();
+            if (all_done) return;
+            if (!moved && !spin.idle(c.guard, waiting, kPhaseRingRoom)) return;
         }
     }
 
-    // Step 3 (this rank as the source): token t = bias0 + bias1 + the partial sums of the nodes it
-    // reached, node ascending, in fp32; weights likewise (from 0).
-    static __device__ void finish_tokens(const CombineParams &p, const Call &c) {
+    // Reducer (warp 0 of block 2ch + 1): the linear order of channel ch, source node by source
+    // node. Per batch (one source, at most `chunk` records): wait until every local rank's
+    // progress passed the batch's first index and the source freed room, then per record sum the
+    // entries present (tag of this call and index) of local ranks 0..L-1 in that order in fp32,
+    // write the partial sum to the source's ring [this node][ch] (in place when mapped, else to
+    // the staging ring [n][ch], put), announce the tail, and hand the FIFO slots back.
+    static __device__ void reduce(const CombineParams &p, char *const *peers, const Call &c, int ch) {
+        const int lane = lane_id(), k_top = p.num_topk;
         char *base = c.base;
-        const unsigned long long epoch = c.epoch;
         const Guard &guard = c.guard;
-        const int lane = lane_id(), k_top = p.num_topk, num_warps = gridDim.x * kWarps;
-        const long long cap = p.capacity, pb = p.partial_bytes;
-        for (int t = blockIdx.x * kWarps + warp_id(); t < p.num_tokens; t += num_warps) {
-            bool ok = true;
-            for (int m = lane; m < kNodes && ok; m += 32) {
+        const unsigned long long epoch = c.epoch;
+        const long long pb = p.partial_bytes;
+        const char *fifo = reinterpret_cast<const char *>(__ldg(p.push_bases + c.rank)) + p.push_offset +
+                           (long long)ch * kLocal * p.push_ring * p.push_bytes;
+        const unsigned long long *progress = word_at(base, H::kPushProgress + 8LL * ch * kLocal);
+        int taken = 0;   // lane j < L: entries of local rank j's FIFO consumed
+        int q = 0;
+        for (int n = 0; n < kNodes; ++n) {
+            const int s = n * kLocal + c.local;
+            int first;
+            const int cnt = records_of(p, s, ch, &first);
+            char *holder = peers[s];
+            const bool direct = holder != nullptr;
+            const int window = direct ? p.ring : p.stage;
+            const unsigned long long *head_word = word_at(base, H::kPartialHead + 8LL * (n * kMaxChannels + ch));
+            const long long ring_first = (long long)(c.node * p.num_channels + ch) * p.ring;
+            const long long stage_first = (long long)(n * p.num_channels + ch) * p.stage;
+            for (int k = 0; k < cnt;) {
+                bool ok = true;
+                if (lane < kLocal)
+                    ok = wait_at_least(guard, progress + lane, stamped(epoch, q + 1), c.node * kLocal + lane, kPhasePushes);
+                if (lane == 0 && ok)
+                    ok = wait_at_least(guard, head_word, stamped(epoch, k - window + 1 > 0 ? k - window + 1 : 0), s,
+                                       kPhaseRingRoom);
+                if (!__all_sync(0xffffffffu, ok)) return;
+                const int ready = (int)min_stamped(progress, 1, kLocal, epoch) - q;
+                const int room = (int)min_stamped(head_word, 1, 1, epoch) + window - k;
+                const int end = k + min(min(cnt - k, p.chunk), min(ready, room));
+                const int k_begin = k;
+                for (; k < end; ++k, ++q) {
+                    const char *entry = nullptr;
+                    bool present = false;
+                    if (lane < kLocal) {
+                        entry = fifo + ((long long)lane * p.push_ring + taken % p.push_ring) * p.push_bytes;
+                        present = __ldcg(reinterpret_cast<const unsigned long long *>(entry + kPushTag)) == tag_of(epoch, q);
+                        if (present && ld_cg(reinterpret_cast<const int *>(entry + kPushTopk)) != k_top)
+                            guard.violation(c.node * kLocal + lane, kPhaseConfigMismatch);
+                        taken += present;
+                    }
+                    const unsigned int mask = __ballot_sync(0xffffffffu, present);
+                    const char *entries[kLocal];
+#pragma unroll
+                    for (int j = 0; j < kLocal; ++j)
+                        entries[j] = reinterpret_cast<const char *>(
+                            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(entry), j));
+                    char *dst = direct ? holder + p.partial_recv_offset + (ring_first + k % p.ring) * pb
+                                       : base + p.partial_stage_offset + (stage_first + k % p.stage) * pb;
+                    for (int u = lane; u < kRowInt4; u += 32) {
+                        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                        for (int j = 0; j < kLocal; ++j)
+                            if (mask >> j & 1u) add_bf16x8(acc, ld_cg_v4(entries[j] + 16 * u));
+                        *reinterpret_cast<float4 *>(Partial::lo(dst, u)) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                        *reinterpret_cast<float4 *>(Partial::hi(dst, u)) = make_float4(acc[4], acc[5], acc[6], acc[7]);
+                    }
+                    if (lane < k_top) {
+                        float w = 0.f;
+#pragma unroll
+                        for (int j = 0; j < kLocal; ++j)
+                            if (mask >> j & 1u) w += ld_cg(reinterpret_cast<const float *>(entries[j] + kRowBytes) + lane);
+                        reinterpret_cast<float *>(dst + kPartialRowBytes)[lane] = w;
+                    }
+                    if (lane == 0) *reinterpret_cast<int *>(dst + kPartialTopk) = k_top;
+                }
+                __syncwarp();
+                // FIFO slots back to the local ranks (this warp's reads of them are done)
+                if (lane < kLocal)
+                    put_word(base, peers[c.node * kLocal + lane], H::kPushHead + 8LL * (ch * kLocal + c.local),
+                             stamped(epoch, taken), c.node * kLocal + lane);
+                __syncwarp();
+                if (!direct) {
+                    for (int r = k_begin; r < end;) {   // runs contiguous in both rings
+                        const int run = min(end - r, min(p.stage - r % p.stage, p.ring - r % p.ring));
+                        put_bytes(base + p.partial_recv_offset + (ring_first + r % p.ring) * pb,
+                                  base + p.partial_stage_offset + (stage_first + r % p.stage) * pb, (size_t)run * pb, s);
+                        r += run;
+                    }
+                }
+                if (lane == 0)
+                    put_word(base, holder, H::kPartialTail + 8LL * (c.node * kMaxChannels + ch), stamped(epoch, end), s);
+                __syncwarp();
+            }
+        }
+    }
+
+    // Receiver (warp 1 of block 2ch + 1), this rank as the source: its tokens of channel ch in
+    // order, token t = bias0 + bias1 + the partial sums of the nodes it reached, node ascending,
+    // in fp32; weights likewise (from 0). Consumed counts go back to each node's reducer in
+    // batches of `chunk`, and all of them before any wait (a reducer may wait for that room).
+    static __device__ void receive(const CombineParams &p, char *const *peers, const Call &c, int ch, int *consumed,
+                                   int *published) {
+        const int lane = lane_id(), k_top = p.num_topk, stride = p.num_channels + 1;
+        char *base = c.base;
+        const Guard &guard = c.guard;
+        const unsigned long long epoch = c.epoch;
+        const long long pb = p.partial_bytes;
+        auto publish = [&](int m) {
+            const int r = m * kLocal + c.local;
+            put_word(base, peers[r], H::kPartialHead + 8LL * (c.node * kMaxChannels + ch), stamped(epoch, consumed[m]), r);
+            published[m] = consumed[m];
+        };
+        for (int m = lane; m < kNodes; m += 32) consumed[m] = published[m] = 0;
+        __syncwarp();
+        const int t_end = channel_end(ch, p.tokens_per_channel, p.num_tokens);
+        for (int t = channel_begin(ch, p.tokens_per_channel, p.num_tokens); t < t_end; ++t) {
+            // every partial of t there? (lanes over nodes); if not, hand all consumed slots back, then wait
+            bool ready = true;
+            for (int m = lane; m < kNodes; m += 32) {
                 const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
-                if (i >= 0 && i < cap) {
-                    ok = wait_at_least(guard, signal_word(base, H::kPartialSignal, m * kMaxChunks + i / p.chunk_records),
-                                       epoch, m * kLocal + c.local, kPhasePartials);
-                    const unsigned long long tag = __ldcg(reinterpret_cast<const unsigned long long *>(
-                        base + p.partial_recv_offset + (m * cap + i) * pb + kPartialTag));
-                    if (ok && tag_topk(tag, epoch) != k_top) guard.violation(m * kLocal + c.local, kPhaseConfigMismatch);
-                }
+                if (i < 0) continue;
+                const int k = i - __ldg(p.rdma_channel_prefix + m * stride + ch);
+                ready &= (int)stamped_count(ld_relaxed_sys(word_at(base, H::kPartialTail + 8LL * (m * kMaxChannels + ch))), epoch) > k;
             }
-            if (!__all_sync(0xffffffffu, ok)) return;
+            if (!__all_sync(0xffffffffu, ready)) {
+                for (int m = lane; m < kNodes; m += 32)
+                    if (consumed[m] != published[m]) publish(m);
+                bool ok = true;
+                for (int m = lane; m < kNodes && ok; m += 32) {
+                    const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
+                    if (i < 0) continue;
+                    const int k = i - __ldg(p.rdma_channel_prefix + m * stride + ch);
+                    ok = wait_at_least(guard, word_at(base, H::kPartialTail + 8LL * (m * kMaxChannels + ch)), stamped(epoch, k + 1),
+                                       m * kLocal + c.local, kPhasePartials);
+                }
+                if (!__all_sync(0xffffffffu, ok)) return;
+            } else {
+                for (int m = lane; m < kNodes; m += 32)   // acquire what the relaxed polls saw
+                    (void)ld_acquire_sys(word_at(base, H::kPartialTail + 8LL * (m * kMaxChannels + ch)));
+            }
+            __syncwarp();
             for (int u = lane; u < kRowInt4; u += 32) {
                 float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
                 if (p.bias0 != nullptr) add_bf16x8(acc, __ldg(static_cast<const int4 *>(p.bias0) + (long long)t * kRowInt4 + u));
                 if (p.bias1 != nullptr) add_bf16x8(acc, __ldg(static_cast<const int4 *>(p.bias1) + (long long)t * kRowInt4 + u));
                 for (int m = 0; m < kNodes; ++m) {
                     const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
-                    if (i < 0 || i >= cap) continue;
-                    const char *partial = base + p.partial_recv_offset + (m * cap + i) * pb;
-                    const int4 lo = ld_cg_v4(Partial::lo(partial, u)), hi = ld_cg_v4(Partial::hi(partial, u));
-                    const int4 halves[2] = {lo, hi};
+                    if (i < 0) continue;
+                    const int k = i - __ldg(p.rdma_channel_prefix + m * stride + ch);
+                    const char *partial = base + p.partial_recv_offset + ((long long)(m * p.num_channels + ch) * p.ring + k % p.ring) * pb;
+                    const int4 halves[2] = {ld_cg_v4(Partial::lo(partial, u)), ld_cg_v4(Partial::hi(partial, u))};
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         acc[4 * h] += __int_as_float(halves[h].x);
@@ -168,15 +306,29 @@ struct Combine {
                 }
                 static_cast<int4 *>(p.combined_x)[(long long)t * kRowInt4 + u] = pack_bf16x8(acc);
             }
-            if (lane < k_top) {
-                float w = 0.f;
-                for (int m = 0; m < kNodes; ++m) {
-                    const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
-                    if (i >= 0 && i < cap) w += ld_cg(reinterpret_cast<const float *>(base + p.partial_recv_offset + (m * cap + i) * pb + kPartialRowBytes) + lane);
-                }
-                p.combined_weights[(long long)t * k_top + lane] = w;
+            float w = 0.f;
+            for (int m = 0; m < kNodes; ++m) {
+                const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
+                if (i < 0) continue;
+                const int k = i - __ldg(p.rdma_channel_prefix + m * stride + ch);
+                const char *partial = base + p.partial_recv_offset + ((long long)(m * p.num_channels + ch) * p.ring + k % p.ring) * pb;
+                if (lane == 0 && ld_cg(reinterpret_cast<const int *>(partial + kPartialTopk)) != k_top)
+                    guard.violation(m * kLocal + c.local, kPhaseConfigMismatch);
+                if (lane < k_top) w += ld_cg(reinterpret_cast<const float *>(partial + kPartialRowBytes) + lane);
             }
+            if (lane < k_top) p.combined_weights[(long long)t * k_top + lane] = w;
+            __syncwarp();
+            for (int m = lane; m < kNodes; m += 32) {
+                const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
+                if (i < 0) continue;
+                consumed[m] = i - __ldg(p.rdma_channel_prefix + m * stride + ch) + 1;
+                if (consumed[m] - published[m] >= p.chunk) publish(m);
+            }
+            __syncwarp();
         }
+        for (int m = lane; m < kNodes; m += 32)
+            if (consumed[m] != published[m]) publish(m);
+        __syncwarp();
     }
 };
 

@@ -1,5 +1,7 @@
-// Internode dispatch, device side: the RDMA stage (records to the RDMA peer of each destination
-// node) and the NVLink stage (local ranks pull their rows), padding. Protocol: cuda_src/README.md.
+// Internode dispatch, device side: per channel, a sending block streams this rank's records to the
+// RDMA peer of each destination node through fixed-size rings, and a receiving block copies the
+// records of every source out of the rings of its node's ranks over NVLink; then padding. Protocol:
+// cuda_src/README.md.
 #pragma once
 #include "internode_protocol.cuh"
 
@@ -11,6 +13,13 @@ struct Dispatch {
     static constexpr int kNodes = kRanks / kLocal;
     static constexpr int kRowBytes = kRowInt4 * 16;
     using H = Header<kRanks, kNodes>;
+
+    // Per-stream progress of the block's warps (lane 0 keeps it).
+    struct Shared {
+        int sent[kNodes];     // sender: records of (channel, node m) written and announced
+        int cursor[kNodes];   // sender: next token of the channel to look at for node m
+        int taken[kRanks];    // receiver: records of (channel, source s) consumed
+    };
 
     // One warp writes token t's record for node m (row read from x; the metadata by lanes).
     static __device__ __forceinline__ void write_record(const DispatchParams &p, char *record, int t, int m,
@@ -32,78 +41,110 @@ struct Dispatch {
             reinterpret_cast<int *>(record + f.pos)[j] = __ldg(p.send_nvl_head + (long long)t * kRanks + m * kLocal + j);
     }
 
-    // RDMA stage. Block b packs token chunks b, b + B, ...: each token once per destination node it
-    // reaches, at its index among the tokens this rank sends to that node (send_rdma_head). Records
-    // go straight to the receive slots of the RDMA peer when its buffer is mapped here (this rank's
-    // own node; other nodes with allow_mnnvl, whose peers entries are otherwise null); the others
-    // to the stage, then one put-with-signal per (node, chunk) moves the chunk's contiguous run.
-    // (A put is one warp's copy when NVSHMEM's transport is P2P: slow for MB-sized runs.)
-    static __device__ void send(const DispatchParams &p, char *const *peers, const Call &c) {
+    // Sender, one stream = (channel ch, destination node m): this rank's tokens of the channel
+    // that reach m, in token order, record k in slot k % ring of the ring [this node][ch] of the
+    // RDMA peer there. Mapped peer (this node; other nodes with allow_mnnvl): written in place,
+    // then a release of the tail. Otherwise written to the staging ring [m][ch] (slot k % stage),
+    // put, then the tail put behind an nvshmem_fence. Room: every local rank of m must have
+    // consumed record k - ring (k - stage when staged: an announced staging slot is free once its
+    // record was consumed, hence landed). Moves up to `chunk` records; false if it could not move.
+    static __device__ bool send_step(const DispatchParams &p, char *const *peers, const Call &c, Shared &sh,
+                                     int ch, int m) {
         char *base = c.base;
-        const int node = c.node, local = c.local;
-        const unsigned long long epoch = c.epoch;
-        const int lane = lane_id(), warp = warp_id(), n = p.num_tokens, tpc = p.tokens_per_chunk;
-        const int stride = p.num_chunks + 1;
-        const long long rec = p.record_bytes, cap = p.capacity;
+        const int lane = lane_id(), n = p.num_tokens, stride = p.num_channels + 1;
+        const int first = __ldg(p.rdma_channel_prefix + m * stride + ch);
+        const int total = __ldg(p.rdma_channel_prefix + m * stride + ch + 1) - first;
+        const int k = sh.sent[m];
+        if (k >= total) return false;
+        char *holder = peers[m * kLocal + c.local];
+        const bool direct = holder != nullptr;
+        const unsigned int head = min_stamped(word_at(base, H::kRecordHead + 8LL * (ch * kRanks + m * kLocal)), 1,
+                                              kLocal, c.epoch);
+        const int end = min(total, min(k + p.chunk, (int)head + (direct ? p.ring : p.stage)));
+        if (end <= k) return false;
         const RecordFields f(kRowBytes, kScales, p.num_topk);
-        for (int g = blockIdx.x; g < p.num_chunks; g += gridDim.x) {
-            const int t0 = min(g * tpc, n), t1 = min(t0 + tpc, n);
-            for (int t = t0 + warp; t < t1; t += kWarps) {
-                for (int m = 0; m < kNodes; ++m) {
-                    const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
-                    if (i < 0 || i >= cap) continue;   // i < N <= capacity (fits_capacity); never past the slots
-                    char *holder = peers[m * kLocal + local];   // this rank itself when m == node
-                    char *record = holder != nullptr ? holder + p.recv_offset + (node * cap + i) * rec
-                                                     : base + p.stage_offset + (m * cap + i) * rec;
-                    write_record(p, record, t, m, f);
-                }
+        const long long rec = p.record_bytes;
+        const long long ring_first = (long long)(c.node * p.num_channels + ch) * p.ring;
+        const long long stage_first = (long long)(m * p.num_channels + ch) * p.stage;
+        int t = sh.cursor[m], r = k;
+        const int t_end = channel_end(ch, p.tokens_per_channel, n);
+        while (r < end && t < t_end) {
+            const bool in = t + lane < t_end && __ldg(p.send_rdma_head + (long long)(t + lane) * kNodes + m) >= 0;
+            unsigned int mask = __ballot_sync(0xffffffffu, in);
+            int next = t + 32;
+            while (mask != 0 && r < end) {
+                const int tok = t + __ffs(mask) - 1;
+                mask &= mask - 1;
+                char *record = direct ? holder + p.recv_offset + (ring_first + r % p.ring) * rec
+                                      : base + p.stage_offset + (stage_first + r % p.stage) * rec;
+                write_record(p, record, tok, m, f);
+                ++r;
+                next = tok + 1;
             }
-            __syncthreads();
-            for (int m = warp; m < kNodes; m += kWarps) {
-                const int lo = min((long long)__ldg(p.rdma_channel_prefix + m * stride + g), cap);
-                const int hi = min((long long)__ldg(p.rdma_channel_prefix + m * stride + g + 1), cap);
-                // On the receiver: slot [this node][lo..hi), signal [this node][g].
-                char *holder = peers[m * kLocal + local];
-                publish_run(base + p.recv_offset + (node * cap + lo) * rec, base + p.stage_offset + (m * cap + lo) * rec,
-                            (size_t)(hi - lo) * rec,
-                            signal_word(holder != nullptr ? holder : base, H::kRecordSignal, node * kMaxChunks + g),
-                            epoch, m * kLocal + local, holder != nullptr);
+            t = next;
+        }
+        __syncwarp();
+        const int pe = m * kLocal + c.local;
+        const long long tail = H::kRecordTail + 8LL * (c.node * kMaxChannels + ch);
+        if (!direct) {
+            for (int q = k; q < end;) {   // runs contiguous in both rings
+                const int run = min(end - q, min(p.stage - q % p.stage, p.ring - q % p.ring));
+                put_bytes(base + p.recv_offset + (ring_first + q % p.ring) * rec,
+                          base + p.stage_offset + (stage_first + q % p.stage) * rec, (size_t)run * rec, pe);
+                q += run;
             }
         }
+        if (lane == 0) {
+            put_word(base, holder, tail, stamped(c.epoch, end), pe);
+            sh.sent[m] = end;
+            sh.cursor[m] = t;
+        }
+        __syncwarp();
+        return true;
     }
 
-    // NVLink stage. Warps of the grid take (chunk g, source s) items, g-major so that early chunks
-    // are drained first; the records of s sit in the buffer of s's RDMA peer on this node. A record
-    // with a row for this rank is copied to that row (its position in the contract's order).
-    static __device__ void receive(const DispatchParams &p, char *const *peers, const Call &c) {
-        const int node = c.node, local = c.local;
-        const Guard &guard = c.guard;
-        const int lane = lane_id(), stride = p.num_chunks + 1, k_top = p.num_topk;
-        const int first_le = p.rank * p.num_local_experts;
-        const long long rec = p.record_bytes, cap = p.capacity;
+    // Receiver, one stream = (channel ch, source s): s's records for this node sit in the ring
+    // [s's node][ch] of s's RDMA peer here (local rank s % L). Each record with a row for this rank
+    // is copied to that row (its place in the contract's order); then this rank's consumed count
+    // goes to s (kRecordHead). False if no record had arrived.
+    static __device__ bool receive_step(const DispatchParams &p, char *const *peers, const Call &c, Shared &sh,
+                                        int ch, int s) {
+        const int lane = lane_id(), stride = p.num_channels + 1, k_top = p.num_topk, src_node = s / kLocal;
+        const int first = __ldg(p.recv_rdma_channel_prefix + s * stride + ch);
+        const int total = __ldg(p.recv_rdma_channel_prefix + s * stride + ch + 1) - first;
+        const int k = sh.taken[s];
+        if (k >= total) return false;
+        char *holder = peers[c.node * kLocal + s % kLocal];
+        const unsigned long long *tail_word = word_at(holder, H::kRecordTail + 8LL * (src_node * kMaxChannels + ch));
+        int tail = 0;
+        if (lane == 0) {
+            tail = (int)stamped_count(ld_relaxed_sys(tail_word), c.epoch);
+            if (tail > k) tail = (int)stamped_count(ld_acquire_sys(tail_word), c.epoch);
+        }
+        tail = min(__shfl_sync(0xffffffffu, tail, 0), total);
+        if (tail <= k) return false;
         const RecordFields f(kRowBytes, kScales, k_top);
-        const int items = kRanks * p.num_chunks, num_warps = gridDim.x * kWarps;
-        for (int item = blockIdx.x * kWarps + warp_id(); item < items; item += num_warps) {
-            const int g = item / kRanks, s = item % kRanks, src_node = s / kLocal;
-            const int lo = min((long long)__ldg(p.recv_rdma_channel_prefix + s * stride + g), cap);
-            const int hi = min((long long)__ldg(p.recv_rdma_channel_prefix + s * stride + g + 1), cap);
-            if (lo >= hi) continue;
-            char *holder = peers[node * kLocal + s % kLocal];
-            bool ok = true;
-            if (lane == 0)
-                ok = wait_at_least(guard, signal_word(holder, H::kRecordSignal, src_node * kMaxChunks + g), c.epoch, s,
-                                   kPhaseRecords);
-            if (!__shfl_sync(0xffffffffu, ok, 0)) return;
-            for (int i = lo; i < hi; ++i) {
-                const char *record = holder + p.recv_offset + (src_node * cap + i) * rec;
-                const int row = ld_cg(reinterpret_cast<const int *>(record + f.pos) + local);
-                if (row < 0) continue;
+        const long long rec = p.record_bytes;
+        const long long ring_first = (long long)(src_node * p.num_channels + ch) * p.ring;
+        const int first_le = p.rank * p.num_local_experts;
+        for (int r0 = k; r0 < tail; r0 += 32) {
+            // lanes read 32 records' rows for this rank, then the warp copies the ones it has
+            int my_row = -1;
+            if (r0 + lane < tail)
+                my_row = ld_cg(reinterpret_cast<const int *>(holder + p.recv_offset + (ring_first + (r0 + lane) % p.ring) * rec +
+                                                             f.pos) + c.local);
+            unsigned int mask = __ballot_sync(0xffffffffu, my_row >= 0);
+            while (mask != 0) {
+                const int j = __ffs(mask) - 1;
+                mask &= mask - 1;
+                const int row = __shfl_sync(0xffffffffu, my_row, j), r = r0 + j;
                 if (row >= p.num_out_rows) {   // only num_worst_tokens can make this happen
-                    if (lane == 0) guard.violation(s, kPhaseWorstTokens);
+                    if (lane == 0) c.guard.violation(s, kPhaseWorstTokens);
                     continue;
                 }
+                const char *record = holder + p.recv_offset + (ring_first + r % p.ring) * rec;
                 warp_copy(static_cast<int4 *>(p.recv_x) + (long long)row * kRowInt4, kRowInt4, lane,
-                              [&](int u) { return ld_cg_v4(record + 16 * u); });
+                          [&](int u) { return ld_cg_v4(record + 16 * u); });
                 for (int q = lane; q < kScales; q += 32)
                     p.recv_x_scales[(long long)row * kScales + q] = ld_cg(reinterpret_cast<const float *>(record + f.scales) + q);
                 if (!kFresh) continue;
@@ -115,10 +156,55 @@ struct Dispatch {
                         mine ? ld_cg(reinterpret_cast<const float *>(record + f.weights) + lane) : 0.f;
                 }
                 if (lane < 3) {
-                    const int meta[3] = {s, lane == 1 ? ld_cg(reinterpret_cast<const int *>(record + f.src)) : 0, i};
+                    const int meta[3] = {s, lane == 1 ? ld_cg(reinterpret_cast<const int *>(record + f.src)) : 0, first + r};
                     p.recv_src_meta[(long long)row * 3 + lane] = meta[lane];
                 }
             }
+        }
+        __syncwarp();
+        if (lane == 0) {
+            put_word(c.base, peers[s], H::kRecordHead + 8LL * (ch * kRanks + c.rank), stamped(c.epoch, tail), s);
+            sh.taken[s] = tail;
+        }
+        __syncwarp();
+        return true;
+    }
+
+    // Block 2ch sends channel ch, block 2ch + 1 receives it; each warp owns the streams w, w + W,
+    // ... (nodes, resp. source ranks) and moves them round-robin until all are done.
+    static __device__ void run(const DispatchParams &p, char *const *peers, const Call &c, Shared &sh) {
+        const int ch = blockIdx.x / 2, warp = warp_id();
+        const bool sender = blockIdx.x % 2 == 0;
+        const int streams = sender ? kNodes : kRanks;
+        for (int i = threadIdx.x; i < kNodes; i += kThreads) {
+            sh.sent[i] = 0;
+            sh.cursor[i] = channel_begin(ch, p.tokens_per_channel, p.num_tokens);
+        }
+        for (int i = threadIdx.x; i < kRanks; i += kThreads) sh.taken[i] = 0;
+        __syncthreads();
+        Spinner spin;
+        int waiting = warp;   // a stream this warp last could not move (named if the wait times out)
+        while (true) {
+            bool all_done = true, moved = false;
+            for (int i = warp; i < streams; i += kWarps) {
+                if (sender) {
+                    const int stride = p.num_channels + 1;
+                    const int total = __ldg(p.rdma_channel_prefix + i * stride + ch + 1) - __ldg(p.rdma_channel_prefix + i * stride + ch);
+                    if (sh.sent[i] >= total) continue;
+                    all_done = false;
+                    if (send_step(p, peers, c, sh, ch, i)) moved = true;
+                    else waiting = i * kLocal + c.local;
+                } else {
+                    const int stride = p.num_channels + 1;
+                    const int total = __ldg(p.recv_rdma_channel_prefix + i * stride + ch + 1) - __ldg(p.recv_rdma_channel_prefix + i * stride + ch);
+                    if (sh.taken[i] >= total) continue;
+                    all_done = false;
+                    if (receive_step(p, peers, c, sh, ch, i)) moved = true;
+                    else waiting = i;
+                }
+            }
+            if (all_done) return;
+            if (!moved && !spin.idle(c.guard, waiting, sender ? kPhaseRingRoom : kPhaseRecords)) return;
         }
     }
 
