@@ -90,6 +90,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
         }
         int *dst = reinterpret_cast<int *>(base + p.area_offset) + p.rank * ints;
         put_bytes(reinterpret_cast<char *>(dst), reinterpret_cast<const char *>(row), 4ull * used, r);
+        __syncwarp();
         if (lane == 0) put_word(base, nullptr, H::kNotifySignal + 8LL * p.rank, epoch, r);
         __syncwarp();
     }

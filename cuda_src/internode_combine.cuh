@@ -192,7 +192,7 @@ struct Combine {
                         entry = fifo + ((long long)lane * p.push_ring + taken % p.push_ring) * p.push_bytes;
                         present = __ldcg(reinterpret_cast<const unsigned long long *>(entry + kPushTag)) == tag_of(epoch, q);
                         if (present && ld_cg(reinterpret_cast<const int *>(entry + kPushTopk)) != k_top)
-                            guard.violation(c.node * kLocal + lane, kPhaseConfigMismatch);
+                            note_violation(c, c.node * kLocal + lane, kPhaseConfigMismatch);
                         taken += present;
                     }
                     const unsigned int mask = __ballot_sync(0xffffffffu, present);
@@ -233,6 +233,7 @@ struct Combine {
                                   base + p.partial_stage_offset + (stage_first + r % p.stage) * pb, (size_t)run * pb, s);
                         r += run;
                     }
+                    __syncwarp();
                 }
                 if (lane == 0)
                     put_word(base, holder, H::kPartialTail + 8LL * (c.node * kMaxChannels + ch), stamped(epoch, end), s);
@@ -313,7 +314,7 @@ struct Combine {
                 const int k = i - __ldg(p.rdma_channel_prefix + m * stride + ch);
                 const char *partial = base + p.partial_recv_offset + ((long long)(m * p.num_channels + ch) * p.ring + k % p.ring) * pb;
                 if (lane == 0 && ld_cg(reinterpret_cast<const int *>(partial + kPartialTopk)) != k_top)
-                    guard.violation(m * kLocal + c.local, kPhaseConfigMismatch);
+                    note_violation(c, m * kLocal + c.local, kPhaseConfigMismatch);
                 if (lane < k_top) w += ld_cg(reinterpret_cast<const float *>(partial + kPartialRowBytes) + lane);
             }
             if (lane < k_top) p.combined_weights[(long long)t * k_top + lane] = w;

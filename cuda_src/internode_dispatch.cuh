@@ -93,6 +93,7 @@ struct Dispatch {
                           base + p.stage_offset + (stage_first + q % p.stage) * rec, (size_t)run * rec, pe);
                 q += run;
             }
+            __syncwarp();
         }
         if (lane == 0) {
             put_word(base, holder, tail, stamped(c.epoch, end), pe);
@@ -139,7 +140,7 @@ struct Dispatch {
                 mask &= mask - 1;
                 const int row = __shfl_sync(0xffffffffu, my_row, j), r = r0 + j;
                 if (row >= p.num_out_rows) {   // only num_worst_tokens can make this happen
-                    if (lane == 0) c.guard.violation(s, kPhaseWorstTokens);
+                    if (lane == 0) note_violation(c, s, kPhaseWorstTokens);
                     continue;
                 }
                 const char *record = holder + p.recv_offset + (ring_first + r % p.ring) * rec;

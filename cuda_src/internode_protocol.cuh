@@ -46,6 +46,7 @@ struct Header {
     static constexpr long long kEpoch = 0;          // u64, local: internode kernels this rank finished
     static constexpr long long kTicket = 8;         // u32, local: blocks done with this kernel
     static constexpr long long kFailed = 16;        // u32, local: Guard's sticky failure flag
+    static constexpr long long kViolated = 20;      // u32, local: a data kernel noted a violation
     static constexpr long long kDone = 64;          // u64[R]: epoch each rank last finished
     static constexpr long long kNotifySignal = kDone + 8LL * kRanks;            // u64[R]: counts from rank s
     // dispatch: records of (source node, channel) written into this rank's ring (the sender's)
@@ -220,10 +221,20 @@ __device__ __forceinline__ void kernel_finish(const Call &c) {
     if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
     fence_acq_rel_sys();
     *ticket = 0;
+    if (*reinterpret_cast<volatile unsigned int *>(base + H::kViolated) != 0u) c.guard.raise_flag();
     *reinterpret_cast<volatile unsigned long long *>(base + H::kEpoch) = epoch;
     for (int r = 0; r < kRanks; ++r)
         if (r != rank) put_word(base, nullptr, H::kDone + 8LL * rank, epoch, r);
     nvshmem_quiet();
+}
+
+// A size / format violation a data kernel finds: recorded at once (first failure wins), but the
+// call goes on moving data, so every rank completes its transfers and finds the violation itself
+// (instead of timing out on a rank that stopped); kernel_finish then raises the flag that stops
+// later calls.
+__device__ __forceinline__ void note_violation(const Call &c, int peer, int phase) {
+    c.guard.ctx.record(peer, phase, kDeviceCheckFailed);
+    *reinterpret_cast<volatile unsigned int *>(c.base + Header<1, 1>::kViolated) = 1u;
 }
 
 // Round-robin progress over the streams one warp owns: a stream that cannot move must not hold up

@@ -2,8 +2,8 @@
 
 Collective: run under torchrun (`make test-gpu`). EPCOMM_NUM_LOCAL_RANKS cuts the GPUs of one host
 into "nodes" (set while each Buffer is built): with L = 1 on the 2-GPU machine every GPU is a node,
-so every transfer between ranks goes through NVSHMEM put-with-signal (P2P transport between PEs of
-one host) and the NVLink stage is the degenerate own-buffer case. L = 2 with M >= 2 (4+ GPUs)
+so every transfer between ranks goes through NVSHMEM puts (P2P transport between PEs of one host)
+and the NVLink stage is the degenerate own-buffer case. L = 2 with M >= 2 (4+ GPUs)
 exercises the NVLink pull / push between local ranks; those cases skip on fewer GPUs.
 
 Inputs of every rank are rebuilt on every rank from (seed, rank) on the CPU (tests/helpers/gpu.py,
@@ -74,6 +74,16 @@ def warm_kernels(dist_env, buf, hidden: int = HIDDEN, index_type: str = "long lo
     dist_env.barrier()
 
 
+def ring_bytes(config, world: int, local: int, hidden: int = HIDDEN) -> int:
+    """num_rdma_bytes that calls with `config` need (independent of N), push FIFOs included."""
+    channels = plan.num_channels(config.num_sms)
+    rings = (config.num_max_rdma_chunked_recv_tokens, config.num_max_rdma_chunked_send_tokens)
+    fifo = plan.CombineLayout(world, local, hidden * 2, channels, plan.combine_rings(*rings),
+                              plan.push_rings(config.num_max_nvl_chunked_recv_tokens,
+                                              config.num_max_nvl_chunked_send_tokens), 0).end
+    return max(plan.rdma_bytes_needed(config, hidden * 2, hidden // 128, 32, world, local), fifo)
+
+
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=["L1", "L2", "L4"])
 def setup(dist_env, request):
     """(Buffer, L): M = R / L nodes of L ranks, M >= 2 (at R = 8: 8 x 1, 4 x 2, 2 x 4)."""
@@ -81,9 +91,10 @@ def setup(dist_env, request):
     if world % local or world // local < 2:
         pytest.skip(f"needs at least 2 nodes of {local} ranks ({2 * local}+ ranks, a multiple of {local}); "
                     f"this run has {world}")
-    # Calls are one-shot today: the buffer must hold the round trip's tokens from every node (FP8
-    # scales, K = 32 cover every case of this module).
-    need = plan.rdma_bytes_needed(ROUND_TRIP_TOKENS, HIDDEN * 2, HIDDEN // 128, 32, world, local)
+    # The rings of the largest Config of this module (FP8 scales, K = 32 cover every case); the NVL
+    # buffer of make_buffer is too small for combine's push FIFOs, so they take RDMA bytes too.
+    need = max(ring_bytes(epcomm.Config(dist_env.sms(48)), world, local),
+               ring_bytes(epcomm.Buffer.get_dispatch_config(world), world, local))
     buf = make_buffer(dist_env, local, rdma_bytes=max(need, 1 << 30))
     assert buf.runtime.get_num_rdma_ranks() == world // local
     yield buf, local
@@ -382,106 +393,50 @@ def test_mnnvl_writes_other_nodes_in_place(dist_env, setup):
         release(dist_env, buf)
 
 
-# ---- capacity and failures ------------------------------------------------------------------------
-def capacities(buf, world: int):
-    """(dispatch, combine) capacity in tokens per rank of a BF16 H = 7168, K = 8 call on nodes of 1."""
-    record, nbytes = plan.dispatch_record_bytes(HIDDEN * 2, 0, 8, 1), buf.num_rdma_bytes
-    return (plan.DispatchLayout(nbytes, world, 1, record).capacity,
-            plan.CombineLayout(nbytes, world, 1, HIDDEN * 2).capacity)
-
-
-def uneven_over_capacity(dist_env, buf, fits_dispatch: bool, seed: int):
-    """(every rank's inputs, combine's capacity) with N alternating by rank between half combine's
-    capacity and a big N that fits dispatch but not combine (fits_dispatch: like (1000, 4600) on 2
-    ranks at 256 MiB) or not even dispatch ((900, 5000))."""
-    dispatch_cap, combine_cap = capacities(buf, dist_env.world_size)
-    ns = (combine_cap // 2, dispatch_cap - 55 if fits_dispatch else dispatch_cap + 345)
-    assert combine_cap < ns[1], (dispatch_cap, combine_cap)
-    return inputs_for(dist_env, 1, ns, seed=seed, hidden=HIDDEN, num_experts=_e(64), num_topk=8), combine_cap
-
-
-def test_too_many_tokens_raise_before_the_data_kernel(dist_env):
-    """A buffer that holds fewer tokens than N: ValueError on every rank once notify told every rank
-    the largest N (exact mode), nothing written; then a call that fits works."""
+# ---- fixed-size rings and failures ---------------------------------------------------------------
+def test_any_n_streams_through_rings_of_fixed_size(dist_env):
+    """A Buffer of exactly the bytes the Config's rings need (nothing depends on N) carries N up to
+    16384 per rank, N differing by rank, N = 0 and 1 on some: dispatch (exact and num_worst_tokens)
+    and combine bit-exact, many times over every ring."""
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
     if world < 2:
         pytest.skip("needs 2 or more ranks")
-    record = plan.dispatch_record_bytes(HIDDEN * 2, 0, 8, 1)
-    small = plan.header_bytes(world, world) + 2 * world * 64 * record
-    buf = make_buffer(dist_env, 1, rdma_bytes=-(-small // 128) * 128)
+    config = epcomm.Config(dist_env.sms(8))
+    buf = make_buffer(dist_env, 1, rdma_bytes=-(-ring_bytes(config, world, 1) // 128) * 128)
     try:
-        inputs = inputs_for(dist_env, 1, (200,), seed=91, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
-        with pytest.raises(ValueError, match="do not fit the RDMA buffer"):
-            run_dispatch(buf, inputs[rank], device, False)
-        fits = inputs_for(dist_env, 1, (16,), seed=92, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
-        got = run_dispatch(buf, fits[rank], device, False)
-        check(dist_env, dispatch_errors(got, expected(fits, rank, _e(64), False), False, rank, fits), "after the error")
+        ns = (16384, 0, 1, 4096)
+        inputs = inputs_for(dist_env, 1, ns, seed=91, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
+        got = run_dispatch(buf, inputs[rank], device, False, config=config)
+        check(dist_env, dispatch_errors(got, expected(inputs, rank, _e(64), False), False, rank, inputs) +
+              combine_errors(dist_env, buf, got, inputs, 1, _e(64), config=config), "N up to 16384")
+        num_worst = sum(len(i.x) for i in inputs)
+        got = run_dispatch(buf, inputs[rank], device, False, config=config, num_worst_tokens=num_worst)
+        check(dist_env, dispatch_errors(got, expected(inputs, rank, _e(64), False, num_worst_tokens=num_worst),
+                                        False, rank, inputs), "N up to 16384, num_worst_tokens")
     finally:
         release(dist_env, buf)
 
 
-def test_uneven_n_over_capacity_raises_on_every_rank_in_exact_mode(dist_env):
-    """256 MiB, ranks with N far apart: one rank's N fits dispatch but not combine
-    ((1000, 4600) on 2 ranks: a check on that rank alone would let the other launch and write past
-    its peer's buffer), or not even dispatch ((900, 5000)). Exact mode: every rank
-    knows the largest N from notify, so every rank raises ValueError before the data kernel, and
-    the Buffer stays usable."""
+def test_rings_that_do_not_fit_raise_before_any_launch(dist_env):
+    """A buffer smaller than the Config's rings: ValueError on every rank before any launch (a
+    function of the Config and the Buffer alone), and the Buffer stays usable with a smaller Config."""
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
     if world < 2:
         pytest.skip("needs 2 or more ranks")
-    buf = make_buffer(dist_env, 1)
+    small = epcomm.Config(2, 6, 32, 4, 16)
+    buf = make_buffer(dist_env, 1, rdma_bytes=-(-ring_bytes(small, world, 1) // 128) * 128)
     try:
-        inputs, combine_cap = uneven_over_capacity(dist_env, buf, True, seed=111)
-        got = run_dispatch(buf, inputs[rank], device, False)
-        check(dist_env, dispatch_errors(got, expected(inputs, rank, _e(64), False), False, rank, inputs),
-              "dispatch of N up to its capacity")
+        inputs = inputs_for(dist_env, 1, (300, 20), seed=92, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
 
         def every_rank_raises():
-            with pytest.raises(ValueError, match="do not fit the RDMA buffer.*largest N of all ranks"):
-                buf.combine(got[0], got[4], topk_weights=got[2])
-            over = uneven_over_capacity(dist_env, buf, False, seed=112)[0]
-            with pytest.raises(ValueError, match="do not fit the RDMA buffer.*largest N of all ranks"):
-                run_dispatch(buf, over[rank], device, False)
+            with pytest.raises(ValueError, match="smaller than the .* bytes"):
+                run_dispatch(buf, inputs[rank], device, False, config=epcomm.Config(dist_env.sms(24)))
         on_all_ranks(dist_env, every_rank_raises)
-
-        fits = inputs_for(dist_env, 1, (combine_cap // 3, combine_cap // 2), seed=113, hidden=HIDDEN,
-                          num_experts=_e(64), num_topk=8)
-        got = run_dispatch(buf, fits[rank], device, False)
-        check(dist_env, dispatch_errors(got, expected(fits, rank, _e(64), False), False, rank, fits) +
-              combine_errors(dist_env, buf, got, fits, 1, _e(64)), "after the errors")
+        got = run_dispatch(buf, inputs[rank], device, False, config=small)
+        check(dist_env, dispatch_errors(got, expected(inputs, rank, _e(64), False), False, rank, inputs) +
+              combine_errors(dist_env, buf, got, inputs, 1, _e(64), config=small), "after the error")
     finally:
         release(dist_env, buf)
-
-
-@pytest.mark.parametrize("stage", ["dispatch", "combine"])
-def test_uneven_n_over_capacity_fails_on_every_rank_with_num_worst_tokens(dist_env, stage):
-    """As above with num_worst_tokens (no host read of the counts): the data kernel of `stage` finds
-    the largest N of all ranks (notify's) over its capacity, records DeviceCheckFailed on every rank
-    and skips its work (before: one rank raised on the host before notify and the other timed out,
-    or combine wrote past the peer's buffer); the next call raises it, then BufferUnusable."""
-    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
-    if world < 2:
-        pytest.skip("needs 2 or more ranks")
-    buf = make_buffer(dist_env, 1)
-    try:
-        inputs = uneven_over_capacity(dist_env, buf, stage == "combine", seed=121)[0]
-        num_worst = sum(len(i.x) for i in inputs)
-
-        def every_rank_fails():
-            got = run_dispatch(buf, inputs[rank], device, False, num_worst_tokens=num_worst)
-            if stage == "combine":
-                buf.combine(got[0], got[4], topk_weights=got[2])
-            torch.cuda.synchronize()
-            with pytest.raises(DeviceCheckFailed) as caught:
-                run_dispatch(buf, inputs[rank], device, False, num_worst_tokens=num_worst)
-            error = caught.value
-            assert (error.op, error.rank, error.peer, error.phase) == \
-                (f"internode {stage}", rank, -1, plan.PHASES[-1]), repr(error)
-            with pytest.raises(BufferUnusable):
-                run_dispatch(buf, inputs[rank], device, False, num_worst_tokens=num_worst)
-        on_all_ranks(dist_env, every_rank_fails)
-    finally:
-        release(dist_env, buf, failed=True)
 
 
 @pytest.mark.parametrize("differs", ["num_experts", "topk_weights"])
