@@ -211,6 +211,22 @@ def rdma_bytes_needed(config, row_bytes: int, num_scales: int, num_topk: int, nu
     return _align(max(dispatch, combine, notify), 128)
 
 
+def rdma_bytes_for(configs, row_bytes: int, num_scales: int, num_topk: int, num_ranks: int,
+                   num_local_ranks: int, nvl_bytes: int) -> int:
+    """num_rdma_bytes that calls with each Config of `configs` need next to an NVL buffer of
+    `nvl_bytes` (combine's push FIFOs move into the RDMA buffer when the NVL buffer cannot hold
+    them)."""
+    need = 0
+    for config in configs:
+        rdma = (config.num_max_rdma_chunked_recv_tokens, config.num_max_rdma_chunked_send_tokens)
+        pushes = push_rings(config.num_max_nvl_chunked_recv_tokens, config.num_max_nvl_chunked_send_tokens)
+        combine = CombineLayout(num_ranks, num_local_ranks, row_bytes, num_channels(config.num_sms),
+                                combine_rings(*rdma), pushes, nvl_bytes).end
+        need = max(need, combine, rdma_bytes_needed(config, row_bytes, num_scales, num_topk, num_ranks,
+                                                    num_local_ranks))
+    return _align(need, 128)
+
+
 def rdma_size_hint(config, hidden_bytes: int, num_ranks: int) -> int:
     """num_rdma_bytes for rows of `hidden_bytes` (= hidden * max(element size, 2), as DeepEP passes
     it), FP8 scales and MAX_TOPK top-k entries, on nodes of hint_local_ranks(num_ranks) ranks."""

@@ -75,13 +75,9 @@ def warm_kernels(dist_env, buf, hidden: int = HIDDEN, index_type: str = "long lo
 
 
 def ring_bytes(config, world: int, local: int, hidden: int = HIDDEN) -> int:
-    """num_rdma_bytes that calls with `config` need (independent of N), push FIFOs included."""
-    channels = plan.num_channels(config.num_sms)
-    rings = (config.num_max_rdma_chunked_recv_tokens, config.num_max_rdma_chunked_send_tokens)
-    fifo = plan.CombineLayout(world, local, hidden * 2, channels, plan.combine_rings(*rings),
-                              plan.push_rings(config.num_max_nvl_chunked_recv_tokens,
-                                              config.num_max_nvl_chunked_send_tokens), 0).end
-    return max(plan.rdma_bytes_needed(config, hidden * 2, hidden // 128, 32, world, local), fifo)
+    """num_rdma_bytes that calls with `config` need (independent of N) next to make_buffer's NVL
+    buffer, push FIFOs included."""
+    return plan.rdma_bytes_for([config], hidden * 2, hidden // 128, 32, world, local, 1 << 20)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=["L1", "L2", "L4"])
