@@ -226,18 +226,9 @@ struct Combine {
                     put_word(base, peers[c.node * kLocal + lane], H::kPushHead + 8LL * (ch * kLocal + c.local),
                              stamped(epoch, taken), c.node * kLocal + lane);
                 __syncwarp();
-                if (!direct) {
-                    for (int r = k_begin; r < end;) {   // runs contiguous in both rings
-                        const int run = min(end - r, min(p.stage - r % p.stage, p.ring - r % p.ring));
-                        put_bytes(base + p.partial_recv_offset + (ring_first + r % p.ring) * pb,
-                                  base + p.partial_stage_offset + (stage_first + r % p.stage) * pb, (size_t)run * pb, s);
-                        r += run;
-                    }
-                    __syncwarp();
-                }
-                if (lane == 0)
-                    put_word(base, holder, H::kPartialTail + 8LL * (c.node * kMaxChannels + ch), stamped(epoch, end), s);
-                __syncwarp();
+                publish_stream(base, holder, k_begin, end, pb, p.partial_recv_offset + ring_first * pb, p.ring,
+                               p.partial_stage_offset + stage_first * pb, p.stage,
+                               H::kPartialTail + 8LL * (c.node * kMaxChannels + ch), epoch, s);
             }
         }
     }

@@ -83,20 +83,10 @@ struct Dispatch {
             }
             t = next;
         }
-        __syncwarp();
-        const int pe = m * kLocal + c.local;
-        const long long tail = H::kRecordTail + 8LL * (c.node * kMaxChannels + ch);
-        if (!direct) {
-            for (int q = k; q < end;) {   // runs contiguous in both rings
-                const int run = min(end - q, min(p.stage - q % p.stage, p.ring - q % p.ring));
-                put_bytes(base + p.recv_offset + (ring_first + q % p.ring) * rec,
-                          base + p.stage_offset + (stage_first + q % p.stage) * rec, (size_t)run * rec, pe);
-                q += run;
-            }
-            __syncwarp();
-        }
+        publish_stream(base, holder, k, end, rec, p.recv_offset + ring_first * rec, p.ring,
+                       p.stage_offset + stage_first * rec, p.stage, H::kRecordTail + 8LL * (c.node * kMaxChannels + ch),
+                       c.epoch, m * kLocal + c.local);
         if (lane == 0) {
-            put_word(base, holder, tail, stamped(c.epoch, end), pe);
             sh.sent[m] = end;
             sh.cursor[m] = t;
         }

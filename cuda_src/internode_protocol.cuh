@@ -205,6 +205,26 @@ __device__ __forceinline__ void put_bytes(char *remote_dst, const char *local_sr
     if (bytes > 0) nvshmemx_putmem_nbi_warp(remote_dst, local_src, bytes, pe);
 }
 
+// A warp announces records [k, end) of a stream (each `rec` bytes) to `pe`, whose ring starts at
+// offset `ring_at` (`ring` slots). Written in place (`holder`: pe's buffer, mapped here): only the
+// stamped tail. Otherwise they sit in this rank's staging ring at `stage_at` (`stage` slots): put
+// them, in runs contiguous in both rings, then the tail behind them (put_word's fence).
+__device__ __forceinline__ void publish_stream(char *base, char *holder, int k, int end, long long rec,
+                                               long long ring_at, int ring, long long stage_at, int stage,
+                                               long long tail, unsigned long long epoch, int pe) {
+    __syncwarp();
+    if (holder == nullptr) {
+        for (int r = k; r < end;) {
+            const int run = min(end - r, min(stage - r % stage, ring - r % ring));
+            put_bytes(base + ring_at + (r % ring) * rec, base + stage_at + (r % stage) * rec, (size_t)run * rec, pe);
+            r += run;
+        }
+        __syncwarp();
+    }
+    if (lane_id() == 0) put_word(base, holder, tail, stamped(epoch, end), pe);
+    __syncwarp();
+}
+
 // Every block completes its puts (their sources are reused by the next kernel); the last block to
 // finish stores the epoch and tells every rank.
 template <int kRanks, int kNodes>
