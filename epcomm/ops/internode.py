@@ -265,7 +265,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         num_local_experts, num_topk, index_type = 0, 0, "int"
         topk_idx = topk_weights = None
         num_out_rows = handle.recv_src_meta.shape[0]   # exact M, or num_worst_tokens of the fresh call
-        channels = _handle_channels(handle)
+        channels = _handle_channels(gb, handle)
         planned = plan_for(gb, DispatchSpec, (row_bytes, num_scales, 0, "int", False, channels,
                                               config.num_max_rdma_chunked_recv_tokens,
                                               config.num_max_rdma_chunked_send_tokens), _dispatch_plan)
@@ -300,11 +300,15 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
     return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
 
 
-def _handle_channels(handle) -> int:
-    """G of the handle's fresh dispatch (its channel prefix tables have G + 1 columns)."""
-    channels = handle.rdma_channel_prefix_matrix.shape[1] - 1
-    if not 1 <= channels <= plan.MAX_CHANNELS:
-        raise ValueError(f"handle[1] has {channels + 1} columns, an internode handle 2..{plan.MAX_CHANNELS + 1}")
+def _handle_channels(gb, handle) -> int:
+    """G of the handle's fresh dispatch: its channel prefix tables are [M, G+1] and [R, G+1]."""
+    channels = handle.rdma_channel_prefix_matrix.shape[-1] - 1
+    num_nodes = gb.num_ranks // gb.num_local_ranks
+    shapes = (tuple(handle.rdma_channel_prefix_matrix.shape), tuple(handle.recv_rdma_channel_prefix_matrix.shape))
+    if not 1 <= channels <= plan.MAX_CHANNELS or shapes != ((num_nodes, channels + 1), (gb.num_ranks, channels + 1)):
+        raise ValueError(f"handle[1] / handle[3] must be [{num_nodes}, G+1] / [{gb.num_ranks}, G+1] with "
+                         f"1 <= G <= {plan.MAX_CHANNELS} (the channels of the dispatch), got "
+                         f"{list(shapes[0])} / {list(shapes[1])}")
     return channels
 
 
@@ -369,7 +373,7 @@ def combine(gb, x, handle, topk_weights, bias, config):
     x, topk_weights = aligned(x.contiguous()), aligned(topk_weights)
     bias0, bias1 = (aligned(b) for b in bias)
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-    channels = _handle_channels(handle)
+    channels = _handle_channels(gb, handle)
     planned = plan_for(gb, CombineSpec, (hidden * 2, channels, config.num_max_rdma_chunked_recv_tokens,
                                          config.num_max_rdma_chunked_send_tokens,
                                          config.num_max_nvl_chunked_recv_tokens,

@@ -129,6 +129,10 @@ def test_worst_and_cached_dispatch_and_combine(launches):
     assert launches[-1][1] == 8 and p.num_channels == 4
     dispatch(gb, *x, handle=worst.handle, config=Config(20))
     assert launches[-1][1] == 8 and launches[-1][2].num_channels == 4
+    rebuilt = list(worst.handle)
+    rebuilt[3] = rebuilt[3][:, :2]
+    with pytest.raises(ValueError, match=r"handle\[1\] / handle\[3\] must be \[2, G\+1\] / \[4, G\+1\]"):
+        dispatch(gb, *x, handle=tuple(rebuilt))
 
     rows = torch.randn(500, HIDDEN).bfloat16()
     bias = torch.randn(64, HIDDEN).bfloat16()
