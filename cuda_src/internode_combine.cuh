@@ -177,9 +177,8 @@ struct Combine {
                 bool ok = true;
                 if (lane < kLocal)
                     ok = wait_at_least(guard, progress + lane, stamped(epoch, q + 1), c.node * kLocal + lane, kPhasePushes);
-                if (lane == 0 && ok)
-                    ok = wait_at_least(guard, head_word, stamped(epoch, k - window + 1 > 0 ? k - window + 1 : 0), s,
-                                       kPhaseRingRoom);
+                if (lane == 0 && ok && k >= window)   // the source's count of this call must pass k - window
+                    ok = wait_at_least(guard, head_word, stamped(epoch, k - window + 1), s, kPhaseRingRoom);
                 if (!__all_sync(0xffffffffu, ok)) return;
                 const int ready = (int)min_stamped(progress, 1, kLocal, epoch) - q;
                 const int room = (int)min_stamped(head_word, 1, 1, epoch) + window - k;
