@@ -168,16 +168,19 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     });
 }
 
-// Block 2ch pushes channel ch; in block 2ch + 1 warp 0 reduces it and warp 1 receives it.
+// Block 2ch pushes channel ch; in block 2ch + 1 one group of warps reduces it, the other receives it.
 template <int kRanks, int kLocal, int kRowInt4>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineParams p) {
     using C = Combine<kRanks, kLocal, kRowInt4>;
-    __shared__ int consumed[kRanks / kLocal], published[kRanks / kLocal];
+    __shared__ typename C::ReduceShared reducing;
+    __shared__ int consumed[kRanks / kLocal], published[kRanks / kLocal], receive_stop;
     data_call<kRanks, kLocal>(p, [&](char *const *peers, const Call &call) {
         const int ch = blockIdx.x / 2;
+        if (threadIdx.x == 0) receive_stop = 0;
+        __syncthreads();
         if (blockIdx.x % 2 == 0) C::push(p, peers, call, ch);
-        else if (warp_id() == 0) C::reduce(p, peers, call, ch);
-        else if (warp_id() == 1) C::receive(p, peers, call, ch, consumed, published);
+        else if (warp_id() < C::kGroupWarps) C::reduce(p, peers, call, ch, reducing);
+        else C::receive(p, peers, call, ch, consumed, published, &receive_stop);
     });
 }
 

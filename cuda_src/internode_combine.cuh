@@ -146,14 +146,26 @@ struct Combine {
         }
     }
 
-    // Reducer (warp 0 of block 2ch + 1): the linear order of channel ch, source node by source
-    // node. Per batch (one source, at most `chunk` records): wait until every local rank's
-    // progress passed the batch's first index and the source freed room, then per record sum the
-    // entries present (tag of this call and index) of local ranks 0..L-1 in that order in fp32,
-    // write the partial sum to the source's ring [this node][ch] (in place when mapped, else to
-    // the staging ring [n][ch], put), announce the tail, and hand the FIFO slots back.
-    static __device__ void reduce(const CombineParams &p, char *const *peers, const Call &c, int ch) {
-        const int lane = lane_id(), k_top = p.num_topk;
+    // Block 2ch + 1 is two groups of kGroupWarps warps: the reducer and the receiver of channel
+    // ch. In each, warp 0 of the group (the leader) waits and decides, every warp of the group
+    // moves a slice of each row's 16-byte units, and the leader announces.
+    static constexpr int kGroupWarps = kWarps / 2;
+    static constexpr int kMaxBatch = 32;   // records per reducer batch (presence kept in shared memory)
+    struct ReduceShared {
+        int stop, end;
+        unsigned int mask[kMaxBatch];          // local ranks whose entry of the record is present
+        int slot[kMaxBatch][kLocal];           // their FIFO slots
+    };
+
+    // Reducer: the linear order of channel ch, source node by source node. Per batch (one source,
+    // at most `chunk` records): the leader waits until every local rank's progress passed the
+    // batch's first index and the source freed room, and finds the entries present (tag of this
+    // call and index); the group sums them per record, local ranks 0..L-1 in that order, in fp32,
+    // into the source's ring [this node][ch] (in place when mapped, else the staging ring [n][ch]);
+    // the leader hands the FIFO slots back and announces the records (put, then the tail).
+    static __device__ void reduce(const CombineParams &p, char *const *peers, const Call &c, int ch, ReduceShared &sh) {
+        const int lane = lane_id(), gw = warp_id() % kGroupWarps, k_top = p.num_topk;
+        const int group_threads = kGroupWarps * 32;
         char *base = c.base;
         const Guard &guard = c.guard;
         const unsigned long long epoch = c.epoch;
@@ -161,48 +173,60 @@ struct Combine {
         const char *fifo = reinterpret_cast<const char *>(__ldg(p.push_bases + c.rank)) + p.push_offset +
                            (long long)ch * kLocal * p.push_ring * p.push_bytes;
         const unsigned long long *progress = word_at(base, H::kPushProgress + 8LL * ch * kLocal);
-        int taken = 0;   // lane j < L: entries of local rank j's FIFO consumed
+        int taken = 0;   // leader, lane j < L: entries of local rank j's FIFO consumed
         int q = 0;
         for (int n = 0; n < kNodes; ++n) {
             const int s = n * kLocal + c.local;
             int first;
             const int cnt = records_of(p, s, ch, &first);
             char *holder = peers[s];
-            const bool direct = holder != nullptr;
-            const int window = direct ? p.ring : p.stage;
+            const int window = holder != nullptr ? p.ring : p.stage;
             const unsigned long long *head_word = word_at(base, H::kPartialHead + 8LL * (n * kMaxChannels + ch));
             const long long ring_first = (long long)(c.node * p.num_channels + ch) * p.ring;
             const long long stage_first = (long long)(n * p.num_channels + ch) * p.stage;
             for (int k = 0; k < cnt;) {
-                bool ok = true;
-                if (lane < kLocal)
-                    ok = wait_at_least(guard, progress + lane, stamped(epoch, q + 1), c.node * kLocal + lane, kPhasePushes);
-                if (lane == 0 && ok && k >= window)   // the source's count of this call must pass k - window
-                    ok = wait_at_least(guard, head_word, stamped(epoch, k - window + 1), s, kPhaseRingRoom);
-                if (!__all_sync(0xffffffffu, ok)) return;
-                const int ready = (int)min_stamped(progress, 1, kLocal, epoch) - q;
-                const int room = (int)min_stamped(head_word, 1, 1, epoch) + window - k;
-                const int end = k + min(min(cnt - k, p.chunk), min(ready, room));
-                const int k_begin = k;
-                for (; k < end; ++k, ++q) {
-                    const char *entry = nullptr;
-                    bool present = false;
-                    if (lane < kLocal) {
-                        entry = fifo + ((long long)lane * p.push_ring + taken % p.push_ring) * p.push_bytes;
-                        present = __ldcg(reinterpret_cast<const unsigned long long *>(entry + kPushTag)) == tag_of(epoch, q);
-                        if (present && ld_cg(reinterpret_cast<const int *>(entry + kPushTopk)) != k_top)
-                            note_violation(c, c.node * kLocal + lane, kPhaseConfigMismatch);
-                        taken += present;
+                if (gw == 0) {
+                    bool ok = true;
+                    if (lane < kLocal)
+                        ok = wait_at_least(guard, progress + lane, stamped(epoch, q + 1), c.node * kLocal + lane, kPhasePushes);
+                    if (lane == 0 && ok && k >= window)   // the source's count of this call must pass k - window
+                        ok = wait_at_least(guard, head_word, stamped(epoch, k - window + 1), s, kPhaseRingRoom);
+                    ok = __all_sync(0xffffffffu, ok);
+                    const int ready = (int)min_stamped(progress, 1, kLocal, epoch) - q;
+                    const int room = (int)min_stamped(head_word, 1, 1, epoch) + window - k;
+                    const int end = k + min(min(cnt - k, min(p.chunk, kMaxBatch)), min(ready, room));
+                    for (int b = 0; ok && b < end - k; ++b) {
+                        bool present = false;
+                        if (lane < kLocal) {
+                            const int slot = taken % p.push_ring;
+                            const char *entry = fifo + ((long long)lane * p.push_ring + slot) * p.push_bytes;
+                            present = __ldcg(reinterpret_cast<const unsigned long long *>(entry + kPushTag)) == tag_of(epoch, q + b);
+                            if (present && ld_cg(reinterpret_cast<const int *>(entry + kPushTopk)) != k_top)
+                                note_violation(c, c.node * kLocal + lane, kPhaseConfigMismatch);
+                            sh.slot[b][lane] = slot;
+                            taken += present;
+                        }
+                        const unsigned int mask = __ballot_sync(0xffffffffu, present);
+                        if (lane == 0) sh.mask[b] = mask;
                     }
-                    const unsigned int mask = __ballot_sync(0xffffffffu, present);
+                    if (lane == 0) {
+                        sh.stop = !ok;
+                        sh.end = end;
+                    }
+                }
+                group_barrier(1, group_threads);
+                if (sh.stop) return;
+                const int end = sh.end;
+                for (int b = 0; b < end - k; ++b) {
+                    const unsigned int mask = sh.mask[b];
                     const char *entries[kLocal];
 #pragma unroll
                     for (int j = 0; j < kLocal; ++j)
-                        entries[j] = reinterpret_cast<const char *>(
-                            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(entry), j));
-                    char *dst = direct ? holder + p.partial_recv_offset + (ring_first + k % p.ring) * pb
-                                       : base + p.partial_stage_offset + (stage_first + k % p.stage) * pb;
-                    for (int u = lane; u < kRowInt4; u += 32) {
+                        entries[j] = fifo + ((long long)j * p.push_ring + sh.slot[b][j]) * p.push_bytes;
+                    const int r = k + b;
+                    char *dst = holder != nullptr ? holder + p.partial_recv_offset + (ring_first + r % p.ring) * pb
+                                                  : base + p.partial_stage_offset + (stage_first + r % p.stage) * pb;
+                    for (int u = gw * 32 + lane; u < kRowInt4; u += group_threads) {
                         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                         for (int j = 0; j < kLocal; ++j)
@@ -210,116 +234,118 @@ struct Combine {
                         *reinterpret_cast<float4 *>(Partial::lo(dst, u)) = make_float4(acc[0], acc[1], acc[2], acc[3]);
                         *reinterpret_cast<float4 *>(Partial::hi(dst, u)) = make_float4(acc[4], acc[5], acc[6], acc[7]);
                     }
-                    if (lane < k_top) {
-                        float w = 0.f;
+                    if (gw == kGroupWarps - 1) {
+                        if (lane < k_top) {
+                            float w = 0.f;
 #pragma unroll
-                        for (int j = 0; j < kLocal; ++j)
-                            if (mask >> j & 1u) w += ld_cg(reinterpret_cast<const float *>(entries[j] + kRowBytes) + lane);
-                        reinterpret_cast<float *>(dst + kPartialRowBytes)[lane] = w;
+                            for (int j = 0; j < kLocal; ++j)
+                                if (mask >> j & 1u) w += ld_cg(reinterpret_cast<const float *>(entries[j] + kRowBytes) + lane);
+                            reinterpret_cast<float *>(dst + kPartialRowBytes)[lane] = w;
+                        }
+                        if (lane == 0) *reinterpret_cast<int *>(dst + kPartialTopk) = k_top;
                     }
-                    if (lane == 0) *reinterpret_cast<int *>(dst + kPartialTopk) = k_top;
                 }
-                __syncwarp();
-                // FIFO slots back to the local ranks (this warp's reads of them are done)
-                if (lane < kLocal)
-                    put_word(base, peers[c.node * kLocal + lane], H::kPushHead + 8LL * (ch * kLocal + c.local),
-                             stamped(epoch, taken), c.node * kLocal + lane);
-                __syncwarp();
-                publish_stream(base, holder, k_begin, end, pb, p.partial_recv_offset + ring_first * pb, p.ring,
-                               p.partial_stage_offset + stage_first * pb, p.stage,
-                               H::kPartialTail + 8LL * (c.node * kMaxChannels + ch), epoch, s);
+                group_barrier(1, group_threads);   // the group's reads of the entries and writes of the sums
+                if (gw == 0) {
+                    // FIFO slots back to the local ranks
+                    if (lane < kLocal)
+                        put_word(base, peers[c.node * kLocal + lane], H::kPushHead + 8LL * (ch * kLocal + c.local),
+                                 stamped(epoch, taken), c.node * kLocal + lane);
+                    publish_stream(base, holder, k, end, pb, p.partial_recv_offset + ring_first * pb, p.ring,
+                                   p.partial_stage_offset + stage_first * pb, p.stage,
+                                   H::kPartialTail + 8LL * (c.node * kMaxChannels + ch), epoch, s);
+                }
+                q += end - k;
+                k = end;
             }
         }
     }
 
-    // Receiver (warp 1 of block 2ch + 1), this rank as the source: its tokens of channel ch in
-    // order, token t = bias0 + bias1 + the partial sums of the nodes it reached, node ascending,
-    // in fp32; weights likewise (from 0). Consumed counts go back to each node's reducer in
-    // batches of `chunk`, and all of them before any wait (a reducer may wait for that room).
+    // Receiver, this rank as the source: its tokens of channel ch, one per warp of the group at a
+    // time, token t = bias0 + bias1 + the partial sums of the nodes it reached, node ascending, in
+    // fp32; weights likewise (from 0). After each round the leader hands the consumed slots back
+    // to each node's reducer (kPartialHead). A round takes at most `stage` tokens: with the
+    // earlier rounds' slots handed back, the ring of every node then has room for all of them.
     static __device__ void receive(const CombineParams &p, char *const *peers, const Call &c, int ch, int *consumed,
-                                   int *published) {
-        const int lane = lane_id(), k_top = p.num_topk, stride = p.num_channels + 1;
+                                   int *published, int *stop) {
+        const int lane = lane_id(), gw = warp_id() % kGroupWarps, k_top = p.num_topk, stride = p.num_channels + 1;
         char *base = c.base;
         const Guard &guard = c.guard;
         const unsigned long long epoch = c.epoch;
         const long long pb = p.partial_bytes;
-        auto publish = [&](int m) {
-            const int r = m * kLocal + c.local;
-            put_word(base, peers[r], H::kPartialHead + 8LL * (c.node * kMaxChannels + ch), stamped(epoch, consumed[m]), r);
-            published[m] = consumed[m];
+        const int round = min(kGroupWarps, p.stage);
+        auto record_of = [&](int t, int m) {   // index of t's partial in the ring of node m, or -1
+            const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
+            return i < 0 ? -1 : i - __ldg(p.rdma_channel_prefix + m * stride + ch);
         };
-        for (int m = lane; m < kNodes; m += 32) consumed[m] = published[m] = 0;
-        __syncwarp();
+        if (gw == 0)
+            for (int m = lane; m < kNodes; m += 32) consumed[m] = published[m] = 0;
+        const int t_begin = channel_begin(ch, p.tokens_per_channel, p.num_tokens);
         const int t_end = channel_end(ch, p.tokens_per_channel, p.num_tokens);
-        for (int t = channel_begin(ch, p.tokens_per_channel, p.num_tokens); t < t_end; ++t) {
-            // every partial of t there? (lanes over nodes); if not, hand all consumed slots back, then wait
-            bool ready = true;
-            for (int m = lane; m < kNodes; m += 32) {
-                const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
-                if (i < 0) continue;
-                const int k = i - __ldg(p.rdma_channel_prefix + m * stride + ch);
-                ready &= (int)stamped_count(ld_relaxed_sys(word_at(base, H::kPartialTail + 8LL * (m * kMaxChannels + ch))), epoch) > k;
-            }
-            if (!__all_sync(0xffffffffu, ready)) {
-                for (int m = lane; m < kNodes; m += 32)
-                    if (consumed[m] != published[m]) publish(m);
-                bool ok = true;
+        for (int t0 = t_begin; t0 < t_end; t0 += round) {
+            const int t = t0 + gw;
+            bool ok = true;
+            if (gw < round && t < t_end) {
                 for (int m = lane; m < kNodes && ok; m += 32) {
-                    const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
-                    if (i < 0) continue;
-                    const int k = i - __ldg(p.rdma_channel_prefix + m * stride + ch);
-                    ok = wait_at_least(guard, word_at(base, H::kPartialTail + 8LL * (m * kMaxChannels + ch)), stamped(epoch, k + 1),
-                                       m * kLocal + c.local, kPhasePartials);
+                    const int k = record_of(t, m);
+                    if (k >= 0)
+                        ok = wait_at_least(guard, word_at(base, H::kPartialTail + 8LL * (m * kMaxChannels + ch)),
+                                           stamped(epoch, k + 1), m * kLocal + c.local, kPhasePartials);
                 }
-                if (!__all_sync(0xffffffffu, ok)) return;
-            } else {
-                for (int m = lane; m < kNodes; m += 32)   // acquire what the relaxed polls saw
-                    (void)ld_acquire_sys(word_at(base, H::kPartialTail + 8LL * (m * kMaxChannels + ch)));
-            }
-            __syncwarp();
-            for (int u = lane; u < kRowInt4; u += 32) {
-                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                if (p.bias0 != nullptr) add_bf16x8(acc, __ldg(static_cast<const int4 *>(p.bias0) + (long long)t * kRowInt4 + u));
-                if (p.bias1 != nullptr) add_bf16x8(acc, __ldg(static_cast<const int4 *>(p.bias1) + (long long)t * kRowInt4 + u));
-                for (int m = 0; m < kNodes; ++m) {
-                    const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
-                    if (i < 0) continue;
-                    const int k = i - __ldg(p.rdma_channel_prefix + m * stride + ch);
-                    const char *partial = base + p.partial_recv_offset + ((long long)(m * p.num_channels + ch) * p.ring + k % p.ring) * pb;
-                    const int4 halves[2] = {ld_cg_v4(Partial::lo(partial, u)), ld_cg_v4(Partial::hi(partial, u))};
+                ok = __all_sync(0xffffffffu, ok);
+                if (ok) {
+                    for (int u = lane; u < kRowInt4; u += 32) {
+                        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                        if (p.bias0 != nullptr) add_bf16x8(acc, __ldg(static_cast<const int4 *>(p.bias0) + (long long)t * kRowInt4 + u));
+                        if (p.bias1 != nullptr) add_bf16x8(acc, __ldg(static_cast<const int4 *>(p.bias1) + (long long)t * kRowInt4 + u));
+                        for (int m = 0; m < kNodes; ++m) {
+                            const int k = record_of(t, m);
+                            if (k < 0) continue;
+                            const char *partial = base + p.partial_recv_offset + ((long long)(m * p.num_channels + ch) * p.ring + k % p.ring) * pb;
+                            const int4 halves[2] = {ld_cg_v4(Partial::lo(partial, u)), ld_cg_v4(Partial::hi(partial, u))};
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        acc[4 * h] += __int_as_float(halves[h].x);
-                        acc[4 * h + 1] += __int_as_float(halves[h].y);
-                        acc[4 * h + 2] += __int_as_float(halves[h].z);
-                        acc[4 * h + 3] += __int_as_float(halves[h].w);
+                            for (int h = 0; h < 2; ++h) {
+                                acc[4 * h] += __int_as_float(halves[h].x);
+                                acc[4 * h + 1] += __int_as_float(halves[h].y);
+                                acc[4 * h + 2] += __int_as_float(halves[h].z);
+                                acc[4 * h + 3] += __int_as_float(halves[h].w);
+                            }
+                        }
+                        static_cast<int4 *>(p.combined_x)[(long long)t * kRowInt4 + u] = pack_bf16x8(acc);
+                    }
+                    float w = 0.f;
+                    for (int m = 0; m < kNodes; ++m) {
+                        const int k = record_of(t, m);
+                        if (k < 0) continue;
+                        const char *partial = base + p.partial_recv_offset + ((long long)(m * p.num_channels + ch) * p.ring + k % p.ring) * pb;
+                        if (lane == 0 && ld_cg(reinterpret_cast<const int *>(partial + kPartialTopk)) != k_top)
+                            note_violation(c, m * kLocal + c.local, kPhaseConfigMismatch);
+                        if (lane < k_top) w += ld_cg(reinterpret_cast<const float *>(partial + kPartialRowBytes) + lane);
+                    }
+                    if (lane < k_top) p.combined_weights[(long long)t * k_top + lane] = w;
+                }
+            }
+            if (!ok && lane == 0) *stop = 1;
+            group_barrier(2, kGroupWarps * 32);   // the round's reads of the partials
+            if (*stop) return;
+            if (gw == 0) {
+                for (int m = lane; m < kNodes; m += 32) {
+                    for (int tt = min(t0 + round, t_end) - 1; tt >= t0; --tt) {   // the round's last token at m
+                        const int k = record_of(tt, m);
+                        if (k >= 0) {
+                            consumed[m] = k + 1;
+                            break;
+                        }
+                    }
+                    if (consumed[m] != published[m]) {
+                        const int r = m * kLocal + c.local;
+                        put_word(base, peers[r], H::kPartialHead + 8LL * (c.node * kMaxChannels + ch),
+                                 stamped(epoch, consumed[m]), r);
+                        published[m] = consumed[m];
                     }
                 }
-                static_cast<int4 *>(p.combined_x)[(long long)t * kRowInt4 + u] = pack_bf16x8(acc);
             }
-            float w = 0.f;
-            for (int m = 0; m < kNodes; ++m) {
-                const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
-                if (i < 0) continue;
-                const int k = i - __ldg(p.rdma_channel_prefix + m * stride + ch);
-                const char *partial = base + p.partial_recv_offset + ((long long)(m * p.num_channels + ch) * p.ring + k % p.ring) * pb;
-                if (lane == 0 && ld_cg(reinterpret_cast<const int *>(partial + kPartialTopk)) != k_top)
-                    note_violation(c, m * kLocal + c.local, kPhaseConfigMismatch);
-                if (lane < k_top) w += ld_cg(reinterpret_cast<const float *>(partial + kPartialRowBytes) + lane);
-            }
-            if (lane < k_top) p.combined_weights[(long long)t * k_top + lane] = w;
-            __syncwarp();
-            for (int m = lane; m < kNodes; m += 32) {
-                const int i = __ldg(p.send_rdma_head + (long long)t * kNodes + m);
-                if (i < 0) continue;
-                consumed[m] = i - __ldg(p.rdma_channel_prefix + m * stride + ch) + 1;
-                if (consumed[m] - published[m] >= p.chunk) publish(m);
-            }
-            __syncwarp();
         }
-        for (int m = lane; m < kNodes; m += 32)
-            if (consumed[m] != published[m]) publish(m);
-        __syncwarp();
     }
 };
 
