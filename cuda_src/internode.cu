@@ -172,13 +172,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
 template <int kRanks, int kLocal, int kRowInt4>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineParams p) {
     using C = Combine<kRanks, kLocal, kRowInt4>;
+    __shared__ typename C::PushShared pushing[C::kPushGroups];
     __shared__ typename C::ReduceShared reducing;
     __shared__ int consumed[kRanks / kLocal], published[kRanks / kLocal], receive_stop;
     data_call<kRanks, kLocal>(p, [&](char *const *peers, const Call &call) {
         const int ch = blockIdx.x / 2;
         if (threadIdx.x == 0) receive_stop = 0;
         __syncthreads();
-        if (blockIdx.x % 2 == 0) C::push(p, peers, call, ch);
+        if (blockIdx.x % 2 == 0) C::push(p, peers, call, ch, pushing);
         else if (warp_id() < C::kGroupWarps) C::reduce(p, peers, call, ch, reducing);
         else C::receive(p, peers, call, ch, consumed, published, &receive_stop);
     });

@@ -75,74 +75,117 @@ struct Combine {
         return st.q_base + __ldg(p.recv_src_meta + 3LL * st.row + 2) - first;
     }
 
-    // Pusher, one stream = (channel ch, reducer l of this node): this rank's rows from the sources
-    // (n, l), in linear order, into the FIFO [ch][this local rank] of rank (node, l), entry w in
-    // slot w % push_ring once the reducer consumed entry w - push_ring (kPushHead); after each
-    // batch the linear index of the next row goes to the reducer (kPushProgress): every index
-    // below it that has no entry was not sent to this rank. False if it could not move.
-    static __device__ bool push_step(const CombineParams &p, char *const *peers, const Call &c, int ch, int l,
-                                     PushState &st) {
-        const int lane = lane_id(), k_top = p.num_topk;
-        const int reducer = c.node * kLocal + l;
-        char *fifo = reinterpret_cast<char *>(__ldg(p.push_bases + reducer)) + p.push_offset +
-                     (long long)(ch * kLocal + c.local) * p.push_ring * p.push_bytes;
+    // Block 2ch: groups of warps, group g owning the reducers l = g, g + kPushGroups, ... of this
+    // node (one each for L <= 16). Pusher stream (channel ch, reducer l): this rank's rows from the
+    // sources (n, l), in linear order, into the FIFO [ch][this local rank] of rank (node, l), entry
+    // w in slot w % push_ring once the reducer consumed entry w - push_ring (kPushHead); after each
+    // batch the linear index of the next row goes to the reducer (kPushProgress): every index below
+    // it that has no entry was not sent to this rank. The group's leader picks a stream that can
+    // move and its batch, every warp of the group copies a slice of each row, the leader announces.
+    static constexpr int kPushGroups = kLocal < kWarps ? kLocal : kWarps;
+    static constexpr int kPushGroupWarps = kWarps / kPushGroups;
+    static constexpr int kMaxPushBatch = 32;
+    struct PushShared {
+        int stop, all_done, count, l, next;
+        int row[kMaxPushBatch], q[kMaxPushBatch], slot[kMaxPushBatch];
+    };
+
+    static __device__ __forceinline__ void push_group_sync(int g) {
+        if (kPushGroupWarps > 1) group_barrier(1 + g, kPushGroupWarps * 32);
+        else __syncwarp();
+    }
+
+    // The leader's batch of stream l, written to `sh` (count rows, the next index to announce);
+    // false if the stream can neither push nor announce anything.
+    static __device__ bool push_batch(const CombineParams &p, const Call &c, int ch, int l, PushState &st, PushShared &sh) {
         const unsigned int head = min_stamped(word_at(c.base, H::kPushHead + 8LL * (ch * kLocal + l)), 1, 1, c.epoch);
-        const int batch = min(p.push_chunk, (int)head + p.push_ring - st.written);
-        bool moved = false;
-        for (int b = 0; b < batch && st.n < kNodes; ++b) {
-            const int r = st.row;
-            const int q = push_next_q(p, ch, l, st);
-            char *entry = fifo + (long long)(st.written % p.push_ring) * p.push_bytes;
-            const int4 *row = reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + (long long)r * kRowBytes);
-            warp_copy<4>(reinterpret_cast<int4 *>(entry), kRowInt4, lane, [&](int u) { return ld_nc_v4(row + u); });
-            if (lane < k_top)
-                reinterpret_cast<float *>(entry + kRowBytes)[lane] =
-                    p.topk_weights != nullptr ? __ldg(p.topk_weights + (long long)r * k_top + lane) : 0.f;
-            if (lane == 0) {
-                *reinterpret_cast<int *>(entry + kPushTopk) = k_top;
-                *reinterpret_cast<unsigned long long *>(entry + kPushTag) = tag_of(c.epoch, q);
+        const int batch = min(min(p.push_chunk, kMaxPushBatch), (int)head + p.push_ring - st.written);
+        int count = 0;
+        for (; count < batch && st.n < kNodes; ++count) {
+            if (lane_id() == 0) {
+                sh.row[count] = st.row;
+                sh.q[count] = push_next_q(p, ch, l, st);
+                sh.slot[count] = st.written % p.push_ring;
             }
             ++st.written;
             ++st.row;
             push_seek(p, ch, l, st);
-            moved = true;
         }
         const int next = push_next_q(p, ch, l, st);
-        if (next != st.published) {
-            __syncwarp();
-            if (lane == 0) put_word(c.base, peers[reducer], H::kPushProgress + 8LL * (ch * kLocal + c.local),
-                                    stamped(c.epoch, next), reducer);
-            __syncwarp();
-            st.published = next;
-            moved = true;
+        if (count == 0 && next == st.published) return false;
+        if (lane_id() == 0) {
+            sh.count = count;
+            sh.l = l;
+            sh.next = next;
         }
-        return moved;
+        st.published = next;
+        return true;
     }
 
-    // Block 2ch: pushers, warp w owning the reducers l = w, w + W, ...
-    static __device__ void push(const CombineParams &p, char *const *peers, const Call &c, int ch) {
-        constexpr int kOwned = (kLocal + kWarps - 1) / kWarps;
-        PushState st[kOwned];
-        const int warp = warp_id();
-        for (int o = 0; o < kOwned; ++o) {
-            st[o] = PushState{-1, 0, 0, 0, 0, -1};
-            if (warp + o * kWarps < kLocal) push_seek(p, ch, warp + o * kWarps, st[o]);
+    static __device__ void push(const CombineParams &p, char *const *peers, const Call &c, int ch, PushShared *shared) {
+        constexpr int kOwned = (kLocal + kPushGroups - 1) / kPushGroups;
+        const int lane = lane_id(), g = warp_id() / kPushGroupWarps, gw = warp_id() % kPushGroupWarps;
+        const int k_top = p.num_topk;
+        if (g >= kPushGroups) return;
+        PushShared &sh = shared[g];
+        PushState st[kOwned];   // the leader's
+        if (gw == 0) {
+            for (int o = 0; o < kOwned; ++o) {
+                st[o] = PushState{-1, 0, 0, 0, 0, -1};
+                if (g + o * kPushGroups < kLocal) push_seek(p, ch, g + o * kPushGroups, st[o]);
+            }
         }
         Spinner spin;
         while (true) {
-            bool all_done = true, moved = false;
-            int waiting = -1;
+            if (gw == 0) {
+                bool all_done = true, chosen = false;
+                int waiting = -1;
 #pragma unroll
-            for (int o = 0; o < kOwned; ++o) {
-                const int l = warp + o * kWarps;
-                if (l >= kLocal) continue;
-                if (st[o].n >= kNodes && st[o].published == st[o].q_base) continue;
-                all_done = false;
-                if (push_step(p, peers, c, ch, l, st[o])) moved = true;
-                else waiting = c.node * kLocal + l;
+                for (int o = 0; o < kOwned; ++o) {
+                    const int l = g + o * kPushGroups;
+                    if (l >= kLocal || (st[o].n >= kNodes && st[o].published == st[o].q_base)) continue;
+                    all_done = false;
+                    if (!chosen && push_batch(p, c, ch, l, st[o], sh)) chosen = true;
+                    else if (!chosen) waiting = c.node * kLocal + l;
+                }
+                const bool stop = !all_done && !chosen && !spin.idle(c.guard, waiting, kPhaseRingRoom);
+                if (lane == 0) {
+                    sh.all_done = all_done;
+                    sh.stop = stop;
+                    if (!chosen) sh.count = -1;
+                }
             }
-            if (all_done) return;
-            if (!moved && !spin.idle(c.guard, waiting, kPhaseRingRoom)) return;
+            push_group_sync(g);
+            if (sh.all_done || sh.stop) return;
+            const int count = sh.count, l = sh.l;
+            if (count > 0) {
+                const int reducer = c.node * kLocal + l;
+                char *fifo = reinterpret_cast<char *>(__ldg(p.push_bases + reducer)) + p.push_offset +
+                             (long long)(ch * kLocal + c.local) * p.push_ring * p.push_bytes;
+                for (int b = 0; b < count; ++b) {
+                    char *entry = fifo + (long long)sh.slot[b] * p.push_bytes;
+                    const int r = sh.row[b];
+                    const int4 *row = reinterpret_cast<const int4 *>(static_cast<const char *>(p.x) + (long long)r * kRowBytes);
+                    for (int u = gw * 32 + lane; u < kRowInt4; u += kPushGroupWarps * 32)
+                        st_cg_v4(reinterpret_cast<int4 *>(entry) + u, ld_nc_v4(row + u));
+                    if (gw == kPushGroupWarps - 1) {
+                        if (lane < k_top)
+                            reinterpret_cast<float *>(entry + kRowBytes)[lane] =
+                                p.topk_weights != nullptr ? __ldg(p.topk_weights + (long long)r * k_top + lane) : 0.f;
+                        if (lane == 0) {
+                            *reinterpret_cast<int *>(entry + kPushTopk) = k_top;
+                            *reinterpret_cast<unsigned long long *>(entry + kPushTag) = tag_of(c.epoch, sh.q[b]);
+                        }
+                    }
+                }
+            }
+            push_group_sync(g);   // the group's entries before the progress that announces them
+            if (gw == 0 && count >= 0) {
+                const int reducer = c.node * kLocal + l;
+                if (lane == 0) put_word(c.base, peers[reducer], H::kPushProgress + 8LL * (ch * kLocal + c.local),
+                                        stamped(c.epoch, sh.next), reducer);
+                __syncwarp();
+            }
         }
     }
 
