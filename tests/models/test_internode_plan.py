@@ -283,38 +283,28 @@ def _run_combine(proto):
             return True
 
     class SourceReceiver:
+        """A round of min(8 warps, stage) tokens at a time; consumed counts handed back per round."""
         def __init__(self, s, channel_tokens):
             self.s, self.tokens, self.i = s, channel_tokens, 0
-            self.consumed, self.published = [0] * M, [0] * M
+            self.round = min(8, rings.stage)
 
         def done(self):
-            return self.i == len(self.tokens) and self.consumed == self.published
+            return self.i == len(self.tokens)
 
         def index(self, t, m):
             return proto.streams[(self.s, m)].index(t)
 
         def step(self):
-            if self.i == len(self.tokens):
-                self.published = list(self.consumed)
-                for m in range(M):
-                    src_heads[(self.s, m)] = self.consumed[m]
-                return True
-            t = self.tokens[self.i]
-            nodes = [m for m in range(M) if t in proto.streams[(self.s, m)]]
-            if any(tails[(self.s, m)] <= self.index(t, m) for m in nodes):
-                flushed = self.consumed != self.published   # hand every consumed slot back, then wait
-                self.published = list(self.consumed)
-                for m in range(M):
-                    src_heads[(self.s, m)] = self.consumed[m]
-                return flushed
-            for m in nodes:
+            batch = self.tokens[self.i:self.i + self.round]
+            pairs = [(t, m) for t in batch for m in range(M) if t in proto.streams[(self.s, m)]]
+            if any(tails[(self.s, m)] <= self.index(t, m) for t, m in pairs):
+                return False
+            for t, m in pairs:
                 value = partial[(self.s, m)].read(self.index(t, m))
                 assert value[:2] == (t, m)
                 out.setdefault(self.s, []).append(value)
-                self.consumed[m] = self.index(t, m) + 1
-                if self.consumed[m] - self.published[m] >= rings.chunk:
-                    self.published[m] = src_heads[(self.s, m)] = self.consumed[m]
-            self.i += 1
+                src_heads[(self.s, m)] = self.index(t, m) + 1
+            self.i += len(batch)
             return True
 
     tokens = {s: [t for t in sorted({t for m in range(M) for t in proto.streams[(s, m)]})] for s in range(R)}
@@ -325,7 +315,7 @@ def _run_combine(proto):
 
 @pytest.mark.parametrize("ranks, local, seed", [(2, 1, 0), (4, 2, 1), (4, 1, 2), (6, 3, 3), (8, 2, 4), (8, 4, 5)])
 def test_streaming_protocol_finishes_and_never_overwrites(ranks, local, seed):
-    """Rings far smaller than the streams (ring 4, chunk 2, FIFO 3), N differing by rank, N = 0 on
+    """Rings far smaller than the streams (ring 3 or 4, chunk 2, FIFO 3), N differing by rank, N = 0 on
     some: under random interleavings every stream of every channel finishes, no slot is reused
     before its readers consumed it, every rank receives exactly its rows and every source gets one
     partial per (token, node reached) holding the local ranks the token went to."""
@@ -333,8 +323,8 @@ def test_streaming_protocol_finishes_and_never_overwrites(ranks, local, seed):
     tokens = [rng.choice([0, 1, 9, 40]) for _ in range(ranks)]
     routing = _random_routing(ranks, tokens, rng)
     channels = 3
-    rings, combine_rings, pushes = plan.dispatch_rings(4, 2), plan.combine_rings(4, 2), plan.push_rings(3, 2)
-    assert (rings.stage, combine_rings.ring) == (4, 2)
+    rings, combine_rings, pushes = plan.dispatch_rings(4, 2), plan.combine_rings(6, 2), plan.push_rings(3, 2)
+    assert (rings.stage, combine_rings.ring, combine_rings.stage) == (4, 3, 3)
     for c in range(channels):
         proto = _Protocol(routing, local, channels, c, rings, combine_rings, pushes, rng)
         got = _run_dispatch(proto)
