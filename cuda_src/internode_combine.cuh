@@ -1,8 +1,8 @@
 // Internode combine, device side: per channel, a pushing block moves every received row over
-// NVLink into a FIFO of its source's RDMA peer here; a reducing warp of that rank sums each
-// token's rows of local ranks 0..L-1 in fp32 and streams the partial sums to the source through
-// fixed-size rings; a receiving warp of the source adds bias and the nodes' partials in order.
-// Protocol: cuda_src/README.md.
+// NVLink into a FIFO of its source's RDMA peer here; a reducing group of warps of that rank sums
+// each token's rows of local ranks 0..L-1 in fp32 and streams the partial sums to the source
+// through fixed-size rings; a receiving group of the source adds bias and the nodes' partials in
+// order. Protocol: cuda_src/README.md.
 #pragma once
 #include "internode_protocol.cuh"
 
