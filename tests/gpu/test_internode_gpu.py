@@ -343,15 +343,15 @@ def fp8_and_bf16_round_trip_errors(dist_env, buf, local: int, seed: int) -> List
 def test_sm80_feature_set(dist_env, setup, monkeypatch):
     """A Buffer created under EPCOMM_ARCH=sm80 (read at construction) runs the kernels built with
     EPCOMM_FEATURE_SM80 on this GPU, and they are exact."""
-    from epcomm.ops import internode
+    from epcomm.ops import _common
     _, local = setup
     features = set()
-    get_kernel = internode.get_kernel
+    get_kernel = _common.get_kernel
 
     def recording_get_kernel(src, kernel, device_index, feature):
         features.add(feature)
         return get_kernel(src, kernel, device_index, feature)
-    monkeypatch.setattr(internode, "get_kernel", recording_get_kernel)
+    monkeypatch.setattr(_common, "get_kernel", recording_get_kernel)
     buf = make_buffer(dist_env, local, rdma_bytes=1 << 30, arch="sm80")
     try:
         errors = fp8_and_bf16_round_trip_errors(dist_env, buf, local, seed=71)
