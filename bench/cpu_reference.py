@@ -13,6 +13,8 @@ from typing import List
 
 import torch
 
+import epcomm
+
 from .harness import (BenchContext, Case, Record, buffer_bytes, gbps, low_latency_combine_bytes,
                       low_latency_dispatch_bytes, normal_bytes)
 from .layout import expected_layout
@@ -43,7 +45,8 @@ def _normal(ctx: BenchContext, internode: bool = False) -> List[Record]:
     R, rank, local_experts = ctx.world_size, ctx.rank, NORMAL["E"] // ctx.world_size
     inputs = [ctx.inputs(N, H, E, K, seed=3, rank=r, masked_fraction=MASKED) for r in range(R)]
     mine = inputs[rank]
-    buffer = ctx.internode_buffer(N, H, K) if internode else ctx.normal_buffer(hidden=H)
+    configs = [epcomm.Buffer.get_dispatch_config(R), epcomm.Buffer.get_combine_config(R)]
+    buffer = ctx.internode_buffer(configs, H, K) if internode else ctx.normal_buffer(hidden=H)
     label = "CPU internode " if internode else "CPU "
 
     per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(mine.topk_idx, E)

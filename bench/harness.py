@@ -476,13 +476,13 @@ class BenchContext:
         return self.buffer(num_rdma_bytes=rdma, low_latency_mode=True,
                            num_qps_per_rank=max(1, num_experts // self.world_size))
 
-    def internode_buffer(self, max_tokens: int, hidden: int, num_topk: int, allow_mnnvl: bool = False):
+    def internode_buffer(self, configs, hidden: int, num_topk: int, allow_mnnvl: bool = False):
         """A Buffer in internode mode with one rank per "node" (every rank its own node, so every
         transfer between ranks is an RDMA-stage one: NVSHMEM puts, over NVLink P2P on one host; with
-        allow_mnnvl, stores in place), sized by the internode plan for `max_tokens` BF16 rows of
-        `hidden` per rank (calls are one-shot; FP8 records are smaller)."""
-        from epcomm.ops.internode_plan import rdma_bytes_needed
-        rdma = rdma_bytes_needed(max_tokens, hidden * 2, 0, num_topk, self.world_size, 1)
+        allow_mnnvl, stores in place), sized by the internode plan for the rings of every Config of
+        `configs` with BF16 rows of `hidden` (FP8 records are smaller); any N fits."""
+        from epcomm.ops.internode_plan import rdma_bytes_for
+        rdma = rdma_bytes_for(configs, hidden * 2, 0, num_topk, self.world_size, 1, NVL_BYTES_WITHOUT_HINT)
         return self.buffer(num_nvl_bytes=NVL_BYTES_WITHOUT_HINT, num_rdma_bytes=rdma, num_local_ranks=1,
                            allow_mnnvl=allow_mnnvl)
 

@@ -17,7 +17,7 @@ end at EPCOMM_TIMEOUT_S. The module runs after intranode and low_latency and rel
 at the end (a failed case leaves the Buffer forgotten, as the runner does for every case).
 
 Cases: N=4096 (compared with the same-run torch+NCCL MoE) and N=128, H=7168, K=8, E=256, 24 SMs,
-one Buffer sized by internode_plan.rdma_bytes_needed for the larger N; then N=4096 again on a
+one Buffer sized by internode_plan.rdma_bytes_for the cases' Config (any N fits); then N=4096 again on a
 Buffer with allow_mnnvl=True, where the "nodes" (mapped GPUs of this host) get stores in place
 instead of NVSHMEM puts (on P2P a put is one warp's copy of a whole chunk). Every record's setting
 holds its Buffer's num_rdma_bytes and num_nvl_bytes: the JSON shows the memory each N ran in.
@@ -27,6 +27,8 @@ from __future__ import annotations
 from typing import List
 
 import torch
+
+import epcomm
 
 from .harness import BenchContext, Case, Record, Skip, buffer_bytes
 from .intranode import INPUT_SEED, SETTING, TARGET_SMS, fp8_cast, run_normal
@@ -68,7 +70,7 @@ def _oracle_check(ctx: BenchContext, buffer, N: int, H: int, K: int, E: int):
 
 def _run(ctx: BenchContext, N: int, last: bool, mnnvl: bool = False) -> List[Record]:
     H, K, E = SETTING["H"], SETTING["K"], SETTING["E"]
-    buffer = ctx.internode_buffer(max(CASE_N), H, K, allow_mnnvl=mnnvl)
+    buffer = ctx.internode_buffer([epcomm.Config(TARGET_SMS)], H, K, allow_mnnvl=mnnvl)
     name = (lambda op, *rest: internode_name(f"{op} allow_mnnvl", *rest)) if mnnvl else internode_name
     records = run_normal(ctx, buffer, name, N, H, K, E, TARGET_SMS, OPS,
                          with_baseline=N == SETTING["N"], verify=_oracle_check(ctx, buffer, N, H, K, E),

@@ -27,7 +27,7 @@ Model (per rank; routing is symmetric, so what a rank sends equals what it recei
   t_sm = logical received bytes / (SMs x per-SM rate) is what the SMs copy (per-SM rates measured
   at 8 SMs, where both libraries are SM-bound: DeepEP V1 in targets.md, epcomm in the committed
   bench JSON), D is the pipeline depth (chunks in flight: DeepEP N / (SMs/2 channels x 16-token
-  RDMA chunks), epcomm its chunk count internode_plan.num_chunks), FIXED_US the notify / launch /
+  RDMA chunks; epcomm likewise with internode_plan.num_channels and the same chunk), FIXED_US the notify / launch /
   signalling cost of a call.
 - Figures: logical GB/s (targets.md: every received row, own included, BF16 2H bytes, FP8 H + H/32)
   and DeepEP's "RDMA GB/s" (its test's metric: rows to every node reached, own node included,
@@ -135,9 +135,9 @@ def wire_bytes(impl: str, op: str, local_ranks: int, hidden: int = HIDDEN, num_t
 
 
 def pipeline_depth(impl: str, num_tokens: int, sms: int) -> float:
-    if impl == "epcomm":
+    if impl == "epcomm":   # streams per channel in RDMA chunks, as DeepEP's
         from epcomm.ops import internode_plan as plan
-        return float(plan.num_chunks(sms))
+        return max(1.0, num_tokens / (plan.num_channels(sms) * DEEPEP_RDMA_CHUNK))
     return max(1.0, num_tokens / ((sms // 2) * DEEPEP_RDMA_CHUNK))
 
 

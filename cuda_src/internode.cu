@@ -1,5 +1,5 @@
 // Normal-mode internode dispatch / combine: the notify kernel and the entry kernels. Protocol (RDMA
-// and NVLink stages, one-shot calls): cuda_src/README.md. Host side: epcomm/ops/internode.py,
+// and NVLink stages streamed through fixed-size rings per channel): cuda_src/README.md. Host side: epcomm/ops/internode.py,
 // internode_plan.py.
 #include "internode_dispatch.cuh"
 #include "internode_combine.cuh"
@@ -9,7 +9,7 @@ namespace internode {
 
 // ---- notify: exchange counts over NVSHMEM, build the routing tables --------------------------
 // Count row one rank puts into every rank r: [G, N, E_l, K, S, row bytes, 0, 0 | tokens to each rank
-// [R] | chunk prefix toward r's node [G+1] (room for kMaxChunks + 1) | this rank's per-expert counts
+// [R] | channel prefix toward r's node [G+1] (room for kMaxChannels + 1) | this rank's per-expert counts
 // of r's experts [E_l] (room for kMaxLocalExperts)]: notify_ints long, every field at an offset that
 // depends on R alone, so a rank using another G, E_l or token format (K top-k, S scales, row bytes:
 // the dispatch record) is still read at the right place and caught (kPhaseConfigMismatch).
@@ -25,12 +25,12 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
     char *base = call.base;
     const unsigned long long epoch = call.epoch;
     const Guard &guard = call.guard;
-    const int n = p.num_tokens, tpc = p.tokens_per_chunk, stride = p.num_chunks + 1, num_le = p.num_local_experts;
+    const int n = p.num_tokens, tpc = p.tokens_per_channel, stride = p.num_channels + 1, num_le = p.num_local_experts;
     const int ints = p.notify_ints;
-    constexpr int kSent = kNotifyHead, kPrefix = kSent + kRanks, kExperts = kPrefix + kMaxChunks + 1;
-    const int head[kNotifyHead] = {p.num_chunks, n, num_le, p.num_topk, p.num_scales, p.row_bytes, 0, 0};
+    constexpr int kSent = kNotifyHead, kPrefix = kSent + kRanks, kExperts = kPrefix + kMaxChannels + 1;
+    const int head[kNotifyHead] = {p.num_channels, n, num_le, p.num_topk, p.num_scales, p.row_bytes, 0, 0};
 
-    // One warp per node (send_rdma_head, chunk prefix) and per rank (send_nvl_head without its
+    // One warp per node (send_rdma_head, channel prefix) and per rank (send_nvl_head without its
     // offset, totals), scanning the tokens 32 at a time.
     for (int w = warp; w < kNodes + kRanks; w += num_warps) {
         const bool per_node = w < kNodes;
@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
             running += __popc(mask);
         }
         if (per_node) {
-            for (int g = lane; g <= p.num_chunks; g += 32)
+            for (int g = lane; g <= p.num_channels; g += 32)
                 if ((long long)g * tpc >= n) p.rdma_channel_prefix[target * stride + g] = running;
         } else if (lane == 0) {
             sent[target] = running;
@@ -72,9 +72,10 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
         return;
     }
 
-    // Stage one row per destination in this rank's buffer, put it with a signal (self included).
-    // Only the used part travels: up to this rank's expert counts, in whole 16-byte units (ints is a
-    // multiple of 4 and has room for kMaxLocalExperts >= E_l: the host checks it).
+    // Stage one row per destination in this rank's buffer, put it, then the epoch into signal word
+    // [this rank] there (self included). Only the used part travels: up to this rank's expert
+    // counts, in whole 16-byte units (ints is a multiple of 4 and has room for kMaxLocalExperts >=
+    // E_l: the host checks it).
     const int used = min((kExperts + num_le + 3) / 4 * 4, ints);
     for (int r = warp; r < kRanks; r += num_warps) {
         int *row = reinterpret_cast<int *>(base + p.stage_offset) + r * ints;
@@ -88,12 +89,14 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
             row[i] = v;
         }
         int *dst = reinterpret_cast<int *>(base + p.area_offset) + p.rank * ints;
-        publish_run(reinterpret_cast<char *>(dst), reinterpret_cast<const char *>(row), 4ull * used,
-                    signal_word(base, H::kNotifySignal, p.rank), epoch, r, false);
+        put_bytes(reinterpret_cast<char *>(dst), reinterpret_cast<const char *>(row), 4ull * used, r);
+        __syncwarp();
+        if (lane == 0) put_word(base, nullptr, H::kNotifySignal + 8LL * p.rank, epoch, r);
+        __syncwarp();
     }
 
     for (int s = threadIdx.x; s < kRanks; s += kNotifyThreads)
-        if (!wait_at_least(guard, signal_word(base, H::kNotifySignal, s), epoch, s, kPhaseCounts)) block_ok = 0;
+        if (!wait_at_least(guard, word_at(base, H::kNotifySignal + 8LL * s), epoch, s, kPhaseCounts)) block_ok = 0;
     __syncthreads();
     if (block_ok) {
         const int *area = reinterpret_cast<const int *>(base + p.area_offset);
@@ -126,7 +129,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
                 if (s % kLocal == kLocal - 1) p.recv_rdma_rank_prefix_sum[s / kLocal] = rows;
             }
             p.info[0] = max_tokens;
-            p.gbl_channel_prefix[kRanks] = max_tokens;   // handle[2][R]: the data kernels' capacity check
+            p.gbl_channel_prefix[kRanks] = max_tokens;   // handle[2][R]
         }
         // send_nvl_head: add the rows that lower ranks send to each destination before this one.
         for (int j = threadIdx.x; j < kRanks; j += kNotifyThreads) {
@@ -145,34 +148,40 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
 
 // ---- dispatch and combine (their warps: internode_dispatch.cuh, internode_combine.cuh) ---------
 // The frame both data kernels share: begin the call, wait until every rank finished its previous
-// internode kernel and the call fits the data region, run `steps(peers, call)`, finish the call.
+// internode kernel, run `steps(peers, call)`, finish the call. Grid: two blocks per channel.
 template <int kRanks, int kLocal, class P, class Steps>
 __device__ __forceinline__ void data_call(const P &p, Steps steps) {
     __shared__ char *peers[kRanks];
     __shared__ int block_ok;
     const Call call = begin_call<kRanks, kLocal>(peers, p);
-    if (wait_all_idle<kRanks, kRanks / kLocal>(call, &block_ok) && fits_capacity(call, p.max_tokens, p.capacity))
-        steps(static_cast<char *const *>(peers), call);
+    if (wait_all_idle<kRanks, kRanks / kLocal>(call, &block_ok)) steps(static_cast<char *const *>(peers), call);
     kernel_finish<kRanks, kRanks / kLocal>(call);
 }
 
 template <int kRanks, int kLocal, int kRowInt4, int kScales, typename IdxT, bool kFresh>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_constant__ DispatchParams p) {
     using D = Dispatch<kRanks, kLocal, kRowInt4, kScales, IdxT, kFresh>;
+    __shared__ typename D::Shared streams;
     data_call<kRanks, kLocal>(p, [&](char *const *peers, const Call &call) {
-        D::send(p, peers, call);
-        D::receive(p, peers, call);
+        D::run(p, peers, call, streams);
         D::pad(p);
     });
 }
 
+// Block 2ch pushes channel ch; in block 2ch + 1 one group of warps reduces it, the other receives it.
 template <int kRanks, int kLocal, int kRowInt4>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_constant__ CombineParams p) {
     using C = Combine<kRanks, kLocal, kRowInt4>;
+    __shared__ typename C::PushShared pushing[C::kPushGroups];
+    __shared__ typename C::ReduceShared reducing;
+    __shared__ int consumed[kRanks / kLocal], published[kRanks / kLocal], receive_stop;
     data_call<kRanks, kLocal>(p, [&](char *const *peers, const Call &call) {
-        C::push(p, peers, call);
-        C::reduce(p, peers, call);
-        C::finish_tokens(p, call);
+        const int ch = blockIdx.x / 2;
+        if (threadIdx.x == 0) receive_stop = 0;
+        __syncthreads();
+        if (blockIdx.x % 2 == 0) C::push(p, peers, call, ch, pushing);
+        else if (warp_id() < C::kGroupWarps) C::reduce(p, peers, call, ch, reducing);
+        else C::receive(p, peers, call, ch, consumed, published, &receive_stop);
     });
 }
 

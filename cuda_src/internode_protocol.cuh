@@ -1,6 +1,6 @@
 // Shared pieces of the internode kernels (protocol: cuda_src/README.md): constants, phases, the RDMA
 // buffer header and the Params structs (read by the host through epcomm.runtime.cuda_decls), the
-// start / end bookkeeping of every kernel and the record layout.
+// start / end bookkeeping of every kernel, the stamped words of the rings and the record layout.
 #pragma once
 #include "common/nvshmem.cuh"
 #include "common/arch.cuh"
@@ -13,10 +13,10 @@
 namespace epcomm {
 namespace internode {
 
-constexpr int kThreads = kDataThreads;      // data kernels
+constexpr int kThreads = kDataThreads;      // data kernels: two blocks per channel
 constexpr int kWarps = kThreads / 32;
 constexpr int kNotifyThreads = 1024;
-constexpr int kMaxChunks = 1024;            // signal words per source node (dispatch and combine)
+constexpr int kMaxChannels = 128;           // channels (Config.num_sms / 2) the header has words for
 constexpr int kMaxLocalExperts = 1024;      // expert counts a notify row holds
 constexpr int kNotifyHead = 8;              // header ints of a notify row
 
@@ -25,32 +25,43 @@ constexpr int kNotifyHead = 8;              // header ints of a notify row
 enum Phase : int {
     kPhasePeerBusy = 0,        // a rank has not finished its previous internode kernel
     kPhaseCounts = 1,          // waiting for a rank's token counts
-    kPhaseRecords = 2,         // waiting for a chunk of a source rank's token records
+    kPhaseRecords = 2,         // waiting for a source rank's token records
     kPhasePushes = 3,          // waiting for a local rank's pushed rows
     kPhasePartials = 4,        // waiting for a node's partial sums
     kPhaseWorstTokens = 5,     // more rows received than num_worst_tokens
-    kPhaseConfigMismatch = 6,  // ranks use different chunk counts, expert counts or token formats
+    kPhaseConfigMismatch = 6,  // ranks use different channel counts, expert counts or token formats
                                // (Config.num_sms, num_experts, hidden, FP8 or top-k differ, or
                                // topk_weights given to combine on some ranks only)
-    kPhaseCapacity = 7         // the largest N of all ranks does not fit the RDMA buffer (internode
-                               // calls are one-shot: raise num_rdma_bytes; Config.get_rdma_buffer_size_hint)
+    kPhaseRingRoom = 7         // waiting for a receiver to free ring slots
 };
 
 // Header of every rank's RDMA buffer (same offsets everywhere), then the data region that notify,
-// dispatch and combine each lay out from Params offsets. Signal words are never reset: they hold
-// the epoch of the call that last wrote them.
+// dispatch and combine each lay out from Params offsets (the rings). Every word a rank polls lives
+// here, never in the data region: each holds the epoch of the call that last wrote it (kDone,
+// kNotifySignal) or a count stamped with it (common/epoch.cuh `stamped`), and is never reset.
+// M = kNodes, L = kRanks / kNodes, C = kMaxChannels.
 template <int kRanks, int kNodes>
 struct Header {
+    static constexpr int kLocal = kRanks / kNodes;
     static constexpr long long kEpoch = 0;          // u64, local: internode kernels this rank finished
     static constexpr long long kTicket = 8;         // u32, local: blocks done with this kernel
-    static constexpr long long kPushTicket = 12;    // u32, local: combine blocks done pushing
     static constexpr long long kFailed = 16;        // u32, local: Guard's sticky failure flag
+    static constexpr long long kViolated = 20;      // u32, local: a data kernel noted a violation
     static constexpr long long kDone = 64;          // u64[R]: epoch each rank last finished
-    static constexpr long long kNotifySignal = kDone + 8LL * kRanks;        // u64[R]: counts from rank s
-    static constexpr long long kPushDone = kNotifySignal + 8LL * kRanks;    // u64[L]: local rank j pushed
-    static constexpr long long kRecordSignal = (kPushDone + 8LL * kRanks + 127) / 128 * 128;  // u64[M][G]
-    static constexpr long long kPartialSignal = kRecordSignal + 8LL * kNodes * kMaxChunks;    // u64[M][chunks]
-    static constexpr long long kBytes = (kPartialSignal + 8LL * kNodes * kMaxChunks + 255) / 256 * 256;
+    static constexpr long long kNotifySignal = kDone + 8LL * kRanks;            // u64[R]: counts from rank s
+    // dispatch: records of (source node, channel) written into this rank's ring (the sender's)
+    static constexpr long long kRecordTail = kNotifySignal + 8LL * kRanks;      // u64[M][C]
+    // dispatch: records of (channel, destination rank m * L + l) rank m * L + l consumed
+    static constexpr long long kRecordHead = kRecordTail + 8LL * kNodes * kMaxChannels;   // u64[C][R]
+    // combine: linear index of the next row local rank l pushes to this rank in channel c
+    static constexpr long long kPushProgress = kRecordHead + 8LL * kMaxChannels * kRanks;  // u64[C][L]
+    // combine: entries of this rank's FIFO toward local rank l that l consumed, channel c
+    static constexpr long long kPushHead = kPushProgress + 8LL * kMaxChannels * kLocal;    // u64[C][L]
+    // combine: partial sums of (reducing node, channel) written into this rank's ring
+    static constexpr long long kPartialTail = kPushHead + 8LL * kMaxChannels * kLocal;     // u64[M][C]
+    // combine: partial sums of (source node, channel) the source consumed
+    static constexpr long long kPartialHead = kPartialTail + 8LL * kNodes * kMaxChannels;  // u64[M][C]
+    static constexpr long long kBytes = (kPartialHead + 8LL * kNodes * kMaxChannels + 255) / 256 * 256;
 };
 
 struct NotifyParams {
@@ -70,7 +81,7 @@ struct NotifyParams {
     unsigned long long timeout_ns;
     long long area_offset;               // received count rows [R][notify_ints]
     long long stage_offset;              // outgoing count rows [R][notify_ints] (source of the puts)
-    int num_tokens, num_chunks, tokens_per_chunk, num_local_experts, notify_ints;
+    int num_tokens, num_channels, tokens_per_channel, num_local_experts, notify_ints;
     int num_topk, num_scales, row_bytes;  // the data kernel's token format (checked equal on all ranks)
     int rank, op;
 };
@@ -90,14 +101,14 @@ struct DispatchParams {
     void *recv_topk_idx;                 // [M_out, K] IdxT
     float *recv_topk_weights;            // [M_out, K]
     int *recv_src_meta;                  // [M_out, 3]
-    const int *max_tokens;               // max N of all ranks (notify's; handle[2][R])
     const long long *peer_bases;
     ErrorRecord *err;
     long long scale_stride_token, scale_stride_group;   // elements
     unsigned long long timeout_ns;
-    long long recv_offset;               // records [M][capacity] (slot [source node][index])
-    long long stage_offset;              // records [M][capacity] (slot [destination node][index])
-    int capacity, record_bytes, num_tokens, num_chunks, tokens_per_chunk, num_topk;
+    long long recv_offset;               // record rings [source node][G][ring]
+    long long stage_offset;              // record rings [destination node][G][stage] (put sources)
+    int ring, stage, chunk;              // records per receive ring, per staging ring, per put
+    int record_bytes, num_tokens, num_channels, tokens_per_channel, num_topk;
     int num_local_experts, num_out_rows, rank, op;
 };
 
@@ -108,21 +119,24 @@ struct CombineParams {
     const int *recv_src_meta;            // [M_rows, 3]
     const int *recv_gbl_rank_prefix_sum; // [R]
     const int *recv_rdma_channel_prefix; // [R, G+1]
+    const int *rdma_channel_prefix;      // [M, G+1]
     const int *send_rdma_head;           // [N, M]
     void *combined_x;                    // [N, H] bf16
     float *combined_weights;             // [N, K] or null
-    const int *max_tokens;               // max N of all ranks (notify's; handle[2][R])
-    const long long *peer_bases;
+    const long long *peer_bases;         // [R] RDMA buffers
+    const long long *push_bases;         // [R] buffers holding the push FIFOs (this node's ranks)
     ErrorRecord *err;
     unsigned long long timeout_ns;
-    long long push_offset;               // pushed rows [L][M][capacity] (rows hold kMaxTopk weights)
-    long long partial_stage_offset;      // partial sums [M][capacity] (source of the puts)
-    long long partial_recv_offset;       // partial sums [M][capacity] (slot [reducing node][index])
-    int capacity, push_bytes, partial_bytes, chunk_records, num_tokens, num_chunks, num_topk, rank, op;
+    long long push_offset;               // push FIFOs [G][L pushers][push_ring] (in push_bases buffers)
+    long long partial_recv_offset;       // partial rings [reducing node][G][ring]
+    long long partial_stage_offset;      // partial rings [source node][G][stage] (put sources)
+    int push_ring, push_chunk, push_bytes;
+    int ring, stage, chunk, partial_bytes;
+    int num_tokens, num_channels, tokens_per_channel, num_topk, rank, op;
 };
 
-__device__ __forceinline__ unsigned long long *signal_word(char *base, long long region, int index) {
-    return reinterpret_cast<unsigned long long *>(base + region) + index;
+__device__ __forceinline__ unsigned long long *word_at(char *base, long long offset) {
+    return reinterpret_cast<unsigned long long *>(base + offset);
 }
 
 // ---- start and end of every internode kernel --------------------------------------------------
@@ -160,7 +174,7 @@ __device__ __forceinline__ bool wait_all_idle(const Call &c, int *block_ok) {
     if (warp_id() == 0) {
         bool ok = !c.guard.failed();
         for (int r = lane_id(); r < kRanks && ok; r += 32)
-            if (r != c.rank) ok = wait_at_least(c.guard, signal_word(c.base, H::kDone, r), c.epoch - 1, r, kPhasePeerBusy);
+            if (r != c.rank) ok = wait_at_least(c.guard, word_at(c.base, H::kDone + 8LL * r), c.epoch - 1, r, kPhasePeerBusy);
         ok = __all_sync(0xffffffffu, ok);
         if (lane_id() == 0) *block_ok = ok;
     }
@@ -168,19 +182,51 @@ __device__ __forceinline__ bool wait_all_idle(const Call &c, int *block_ok) {
     return *block_ok != 0;
 }
 
-// One-shot calls: the largest N of all ranks (written by notify, earlier on this stream) must fit the
-// kernel's capacity, or slots past the data region would be written. Every rank reads the same N
-// and, with equal configs (notify checks them), has the same capacity: when it does not fit, every
-// rank records a DeviceCheckFailed and skips its work alike, so no rank waits for data that is
-// never sent; kernel_finish still runs (the epoch bookkeeping). Block-uniform.
-__device__ __forceinline__ bool fits_capacity(const Call &c, const int *max_tokens, int capacity) {
-    if (__ldg(max_tokens) <= capacity) return true;
-    if (threadIdx.x == 0) c.guard.violation(-1, kPhaseCapacity);
-    return false;
+// One lane writes a word another rank polls, after this warp's data it announces (ordered by a
+// __syncwarp before the call). `peer`: that rank's buffer when mapped here (a release store);
+// null: a put of the word after nvshmem_fence, which orders it behind this PE's earlier puts to
+// `pe` (the data, and older values of the same word). No NVSHMEM atomic or signal operation: the
+// proxy transports (IBRC, UCX, libfabric) would apply those as remote atomics, which need GDRCopy.
+__device__ __forceinline__ void put_word(char *base, char *peer, long long offset, unsigned long long value, int pe) {
+    if (peer != nullptr) {
+        fence_acq_rel_sys();
+        st_release_sys(word_at(peer, offset), value);
+        return;
+    }
+    nvshmem_fence();
+    nvshmem_uint64_p(reinterpret_cast<uint64_t *>(base + offset), value, pe);
+}
+
+// A warp moves `bytes` from this rank's buffer to the same-offset-relative place of `pe` (its part
+// of a put; the data was written by this warp before a __syncwarp).
+__device__ __forceinline__ void put_bytes(char *remote_dst, const char *local_src, size_t bytes, int pe) {
+    __threadfence_system();   // the data before the transport reads it (proxy: the NIC)
+    __syncwarp();
+    if (bytes > 0) nvshmemx_putmem_nbi_warp(remote_dst, local_src, bytes, pe);
+}
+
+// A warp announces records [k, end) of a stream (each `rec` bytes) to `pe`, whose ring starts at
+// offset `ring_at` (`ring` slots). Written in place (`holder`: pe's buffer, mapped here): only the
+// stamped tail. Otherwise they sit in this rank's staging ring at `stage_at` (`stage` slots): put
+// them, in runs contiguous in both rings, then the tail behind them (put_word's fence).
+__device__ __forceinline__ void publish_stream(char *base, char *holder, int k, int end, long long rec,
+                                               long long ring_at, int ring, long long stage_at, int stage,
+                                               long long tail, unsigned long long epoch, int pe) {
+    __syncwarp();
+    if (holder == nullptr) {
+        for (int r = k; r < end;) {
+            const int run = min(end - r, min(stage - r % stage, ring - r % ring));
+            put_bytes(base + ring_at + (r % ring) * rec, base + stage_at + (r % stage) * rec, (size_t)run * rec, pe);
+            r += run;
+        }
+        __syncwarp();
+    }
+    if (lane_id() == 0) put_word(base, holder, tail, stamped(epoch, end), pe);
+    __syncwarp();
 }
 
 // Every block completes its puts (their sources are reused by the next kernel); the last block to
-// finish stores the epoch and tells every rank (NVSHMEM signal: remote nodes included).
+// finish stores the epoch and tells every rank.
 template <int kRanks, int kNodes>
 __device__ __forceinline__ void kernel_finish(const Call &c) {
     using H = Header<kRanks, kNodes>;
@@ -195,37 +241,50 @@ __device__ __forceinline__ void kernel_finish(const Call &c) {
     if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
     fence_acq_rel_sys();
     *ticket = 0;
+    if (*reinterpret_cast<volatile unsigned int *>(base + H::kViolated) != 0u) c.guard.raise_flag();
     *reinterpret_cast<volatile unsigned long long *>(base + H::kEpoch) = epoch;
-    unsigned long long *done = signal_word(base, H::kDone, rank);
     for (int r = 0; r < kRanks; ++r)
-        if (r != rank) nvshmemx_signal_op(reinterpret_cast<uint64_t *>(done), epoch, NVSHMEM_SIGNAL_SET, r);
+        if (r != rank) put_word(base, nullptr, H::kDone + 8LL * rank, epoch, r);
     nvshmem_quiet();
 }
 
-// A warp hands a contiguous run of records (written by any warp of its block before a
-// __syncthreads) to the RDMA peer: one put with a signal SET to `epoch` once the bytes landed.
-// `direct`: the records were written in place (this rank's own node, or a peer whose buffer is
-// mapped: allow_mnnvl), and `signal` is addressable from here: a release of it suffices.
-__device__ __forceinline__ void publish_run(char *remote_dst, const char *local_src, size_t bytes,
-                                            unsigned long long *signal, unsigned long long epoch, int pe,
-                                            bool direct) {
-    if (direct) {
+// A size / format violation a data kernel finds: recorded at once (first failure wins), but the
+// call goes on moving data, so every rank completes its transfers and finds the violation itself
+// (instead of timing out on a rank that stopped); kernel_finish then raises the flag that stops
+// later calls.
+__device__ __forceinline__ void note_violation(const Call &c, int peer, int phase) {
+    c.guard.ctx.record(peer, phase, kDeviceCheckFailed);
+    *reinterpret_cast<volatile unsigned int *>(c.base + Header<1, 1>::kViolated) = 1u;
+}
+
+// Round-robin progress over the streams one warp owns: a stream that cannot move must not hold up
+// the others (ring slots free up only as other streams move). Warp-uniform; `idle` after a round
+// in which no stream moved: false once the kernel must wind down (a failure recorded elsewhere, or
+// the call's deadline passed: recorded here against `peer` / `phase`).
+struct Spinner {
+    unsigned int rounds = 0;
+    __device__ __forceinline__ bool idle(const Guard &guard, int peer, int phase) {
+        if (++rounds % kPollsPerCheck != 0) return true;
+        int stop = 0;
         if (lane_id() == 0) {
-            fence_acq_rel_sys();
-            st_release_sys(signal, epoch);
+            stop = guard.failed();
+            if (!stop && guard.past_deadline()) {
+                guard.timeout(peer, phase);
+                stop = 1;
+            }
         }
-        __syncwarp();
-        return;
+        return __shfl_sync(0xffffffffu, stop, 0) == 0;
     }
-    __threadfence_system();   // the block's records before the transport reads them (proxy: the NIC)
-    __syncwarp();
-    if (bytes == 0) {
-        if (lane_id() == 0) nvshmemx_signal_op(reinterpret_cast<uint64_t *>(signal), epoch, NVSHMEM_SIGNAL_SET, pe);
-        __syncwarp();
-        return;
-    }
-    nvshmemx_putmem_signal_nbi_warp(remote_dst, local_src, bytes, reinterpret_cast<uint64_t *>(signal), epoch,
-                                    NVSHMEM_SIGNAL_SET, pe);
+};
+
+// The smallest stamped count of `n` words (lanes over words), warp-uniform; acquire loads, so
+// what the writers did before their stamps is visible after.
+__device__ __forceinline__ unsigned int min_stamped(const unsigned long long *words, long long stride, int n,
+                                                    unsigned long long epoch) {
+    unsigned int m = 0xffffffffu;
+    for (int j = lane_id(); j < n; j += 32) m = min(m, stamped_count(ld_acquire_sys(words + j * stride), epoch));
+    for (int o = 16; o > 0; o >>= 1) m = min(m, __shfl_xor_sync(0xffffffffu, m, o));
+    return m;
 }
 
 // A dispatch record: row bytes | scales f32[S] | global expert ids i32[K] | weights f32[K] |
@@ -240,6 +299,10 @@ struct RecordFields {
         pos = src + 4;
     }
 };
+
+// Channel c of a rank with N tokens: tokens [c * tpc, min(N, (c + 1) * tpc)).
+__device__ __forceinline__ int channel_begin(int c, int tpc, int n) { return min(c * tpc, n); }
+__device__ __forceinline__ int channel_end(int c, int tpc, int n) { return min((c + 1) * tpc, n); }
 
 }  // namespace internode
 }  // namespace epcomm

@@ -148,11 +148,6 @@ template <int kTopK> struct CombineItem {
 // two groups of 8 warps take them in one. Each group syncs on its own named barrier.
 constexpr int kItemGroups = 2;
 
-// Barrier of `threads` threads (a group of whole warps) on hardware barrier `id` (1..15; 0 is
-// __syncthreads's).
-__device__ __forceinline__ void group_barrier(int id, int threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
 enum ItemState { kItemSkip, kItemSend, kItemFailed };
 
 // Expert side: for each (source, token) item, one per group of warps and claim (kItemGroups per

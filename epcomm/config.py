@@ -3,8 +3,8 @@
 
 This module imports no torch: `Config` is plain data, hashable, so ops modules can key kernel
 specialisations on it. The size numbers come from the planning module that owns the buffer layout
-(`epcomm.ops.intranode_plan.nvl_size_hint`, `epcomm.ops.internode_plan.rdma_size_hint`: pure
-formulas, no GPU launch code).
+(`epcomm.ops.intranode_plan.nvl_size_hint`, `epcomm.ops.internode_plan.rdma_size_hint` and
+`nvl_size_hint`: pure formulas, no GPU launch code).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ BUFFER_ALIGNMENT_BYTES = 128   # Buffer sizes are multiples of this
 # Chunk sizes per rank count: (nvl send, nvl recv, rdma send, rdma recv) in tokens: DeepEP V1's
 # recommended values, returned and validated so DeepEP code runs unchanged. epcomm's intranode
 # kernels do not read them: they cut work from Config.num_sms (epcomm/ops/intranode_plan.py), and
-# the bench sweeps that. A rank count absent from a table takes the entry of the next larger count
+# the bench sweeps that; the internode kernels size their rings by them (internode_plan.Rings). A rank count absent from a table takes the entry of the next larger count
 # listed (the largest entry beyond the table), so every R >= 1 has a config.
 DISPATCH_CHUNKS: Dict[int, Tuple[int, int, int, int]] = {
     2: (24, 256, 6, 128),
@@ -106,9 +106,12 @@ class Config:
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of `num_nvl_bytes` that normal-mode calls with this config need for tokens of
-        `hidden_bytes` bytes (hidden * element size, scales not included) over `num_ranks` ranks."""
+        `hidden_bytes` bytes (hidden * element size, scales not included) over `num_ranks` ranks:
+        the intranode rings up to NVLINK_DOMAIN_RANKS ranks, internode combine's push FIFOs beyond."""
         hidden_bytes = _positive_int("Config.get_nvl_buffer_size_hint", "hidden_bytes", hidden_bytes)
         num_ranks = _positive_int("Config.get_nvl_buffer_size_hint", "num_ranks", num_ranks)
+        if num_ranks > NVLINK_DOMAIN_RANKS:
+            return align_buffer_bytes(int(internode_plan.nvl_size_hint(self, hidden_bytes, num_ranks)))
         return align_buffer_bytes(int(intranode_plan.nvl_size_hint(self, hidden_bytes, num_ranks)))
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:

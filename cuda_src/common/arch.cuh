@@ -42,6 +42,12 @@ __device__ __forceinline__ void warp_copy(int4 *dst, int n16, int lane, Load loa
     }
 }
 
+// Barrier of `threads` threads (a group of whole warps) on hardware barrier `id` (1..15; 0 is
+// __syncthreads's).
+__device__ __forceinline__ void group_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // A warp's claim of the next unit of work: lane 0's atomicAdd on the counter, broadcast to every
 // lane. Work taken in atomicAdd order goes to whichever warps are running, so no warp waits for
 // work that only a block not (yet) resident would do.

@@ -27,4 +27,14 @@ __device__ __forceinline__ unsigned long long mix_epoch(unsigned long long epoch
     return z ^ (z >> 31);
 }
 
+// Stamped counters: a word that carries a call's count of something (records written, records
+// consumed) as epoch << 32 | count. Never reset: every later call stamps a larger epoch, so a word
+// left by an earlier call reads as count 0 of this one. Counts stay below 2^32.
+__device__ __forceinline__ unsigned long long stamped(unsigned long long epoch, unsigned int count) {
+    return epoch << 32 | count;
+}
+__device__ __forceinline__ unsigned int stamped_count(unsigned long long word, unsigned long long epoch) {
+    return word >= (epoch << 32) ? static_cast<unsigned int>(word - (epoch << 32)) : 0u;
+}
+
 }  // namespace epcomm

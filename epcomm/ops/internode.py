@@ -4,19 +4,15 @@ A fresh dispatch is two launches on the current stream: `notify` (exchange count
 build the routing tables) then the data kernel; with num_worst_tokens == 0 the host reads the
 counts in between (one small D2H copy + stream sync) to size the outputs exactly; with
 num_worst_tokens > 0 nothing touches the host (CUDA-graph capturable). A cached dispatch and a
-combine are one launch. Everything lives in the RDMA buffer (num_rdma_bytes); calls are one-shot:
-the largest N of all ranks must fit the capacity internode_plan computes. Every data kernel checks
-it on the device (notify leaves it in handle[2][R]): DeviceCheckFailed on every rank, work skipped,
-the Buffer then unusable. Where every rank knows that N on the host (exact-mode dispatch, after
-notify, and later calls with its handle) a ValueError comes first, on every rank alike, before the
-launch, and the Buffer stays usable. No host check ever uses this rank's N alone: one rank raising
-before a collective launch would leave the others waiting for it (PeerTimeout).
+combine are one launch. The data kernels stream through rings of fixed size (internode_plan): any
+N on any rank fits; the rings must fit num_rdma_bytes (and combine's push FIFOs num_nvl_bytes, else
+they go to the RDMA buffer too), a check of the Config and the Buffer alone, so every rank raises
+alike before any launch.
 
-Handle (10-tuple), int32 CUDA tensors except element 0 (M nodes, L ranks per node, G chunks):
+Handle (10-tuple), int32 CUDA tensors except element 0 (M nodes, L ranks per node, G channels):
   0 is_token_in_rank [N, R] bool, as given
-  1 rdma_channel_prefix [M, G+1]: [m][g] = tokens of chunks < g this rank sends to node m ([m][G]: all)
+  1 rdma_channel_prefix [M, G+1]: [m][g] = tokens of channels < g this rank sends to node m ([m][G]: all)
   2 gbl_channel_prefix [R + 1]: tokens this rank sends to each rank, then the largest N of all ranks
-    (notify's; the data kernels check it against their capacity)
   3 recv_rdma_channel_prefix [R, G+1]: row s = rank s's rdma_channel_prefix row for this rank's node
   4 recv_rdma_rank_prefix_sum [M]: inclusive prefix of rows received from nodes 0..n
   5 recv_gbl_channel_prefix [R, 1]: first row received from each source rank
@@ -25,11 +21,12 @@ Handle (10-tuple), int32 CUDA tensors except element 0 (M nodes, L ranks per nod
     sends to this node), -1 on padding rows
   8 send_rdma_head [N, M]: index of token t among this rank's tokens that go to node m, or -1
   9 send_nvl_head [N, R]: row of token t on rank r, or -1
-G comes from Config.num_sms (internode_plan.num_chunks) and must be equal on every rank.
+G channels come from Config.num_sms (internode_plan.num_channels) and must be equal on every rank;
+channel g of a rank holds its tokens [g * ceil(N / G), (g + 1) * ceil(N / G)).
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple
 
 import torch
 
@@ -76,6 +73,7 @@ def _check_buffer(gb, config, what: str) -> None:
     if config.num_sms > gb.arch.num_sms:
         raise ValueError(f"{what}: Config.num_sms={config.num_sms} exceeds the device's "
                          f"{gb.arch.num_sms} SMs")
+    plan.check_channels(what, config.num_sms)
     node = gb.rank // gb.num_local_ranks
     local = range(node * gb.num_local_ranks, (node + 1) * gb.num_local_ranks)
     unreachable = [r for r in local if not rdma.peer_ptrs[r]]
@@ -119,6 +117,23 @@ def peer_table(gb) -> torch.Tensor:
     return plan_for(gb, PeerTableSpec, (), _peer_table)
 
 
+class PushTableSpec(NamedTuple):
+    """The [R] int64 device table of the buffer holding combine's push FIFOs (the NVL buffer, or
+    the RDMA buffer: `in_nvl`) of this node's ranks (others null; the own entry its address)."""
+    in_nvl: bool
+
+
+def _push_table(gb, spec: PushTableSpec) -> torch.Tensor:
+    buf, local, node = (gb.nvl if spec.in_nvl else gb.rdma), gb.num_local_ranks, gb.rank // gb.num_local_ranks
+    bases = [address if r // local == node else 0 for r, address in enumerate(buf.peer_ptrs)]
+    bases[gb.rank] = buf.ptr
+    return torch.tensor(bases, dtype=torch.int64, device=gb.device)
+
+
+def push_table(gb, in_nvl: bool) -> torch.Tensor:
+    return plan_for(gb, PushTableSpec, (in_nvl,), _push_table)
+
+
 class NotifySpec(NamedTuple):
     """The notify kernel depends on the Buffer alone."""
 
@@ -129,10 +144,18 @@ class DispatchSpec(NamedTuple):
     num_topk: int
     index_type: str
     fresh: bool
+    channels: int
+    ring: int     # Config.num_max_rdma_chunked_recv_tokens
+    chunk: int    # Config.num_max_rdma_chunked_send_tokens
 
 
 class CombineSpec(NamedTuple):
     row_bytes: int
+    channels: int
+    rdma_recv: int
+    rdma_send: int
+    nvl_recv: int
+    nvl_send: int
 
 
 class _Plan:
@@ -164,51 +187,36 @@ def _notify_plan(gb, spec: NotifySpec) -> _Plan:
 def _dispatch_plan(gb, spec: DispatchSpec) -> _Plan:
     num_ranks, num_local = gb.num_ranks, gb.num_local_ranks
     record = plan.dispatch_record_bytes(spec.row_bytes, spec.num_scales, spec.num_topk, num_local)
-    layout = plan.DispatchLayout(gb.rdma.nbytes, num_ranks, num_local, record)
+    rings = plan.dispatch_rings(spec.ring, spec.chunk)
+    layout = plan.DispatchLayout(num_ranks, num_local, record, spec.channels, rings)
+    plan.check_fits("dispatch", layout.end, gb.rdma.nbytes,
+                    f"{spec.channels} channels of {rings} rings of {record}-byte records")
     name = plan.dispatch_kernel(num_ranks, num_local, spec.row_bytes, spec.num_scales, spec.index_type,
                                 spec.fresh)
     template = plan.DispatchParams(recv_offset=layout.recv_offset, stage_offset=layout.stage_offset,
-                                   capacity=layout.capacity, record_bytes=layout.record_bytes,
+                                   ring=rings.ring, stage=rings.stage, chunk=rings.chunk,
+                                   record_bytes=record, num_channels=spec.channels,
                                    num_topk=spec.num_topk, **_fixed_fields(gb, DISPATCH_OP))
     return _Plan(_kernel(gb, name), layout, template)
 
 
 def _combine_plan(gb, spec: CombineSpec) -> _Plan:
     num_ranks, num_local = gb.num_ranks, gb.num_local_ranks
-    layout = plan.CombineLayout(gb.rdma.nbytes, num_ranks, num_local, spec.row_bytes)
+    rings = plan.combine_rings(spec.rdma_recv, spec.rdma_send)
+    pushes = plan.push_rings(spec.nvl_recv, spec.nvl_send)
+    nvl_bytes = gb.nvl.nbytes if gb.nvl is not None else 0
+    layout = plan.CombineLayout(num_ranks, num_local, spec.row_bytes, spec.channels, rings, pushes, nvl_bytes)
+    plan.check_fits("combine", layout.end, gb.rdma.nbytes,
+                    f"{spec.channels} channels of {rings} rings of {layout.partial_bytes}-byte partial sums"
+                    + ("" if layout.push_in_nvl else f" and, as num_nvl_bytes={nvl_bytes} cannot hold them, "
+                                                      f"{layout.fifo_bytes} bytes of push FIFOs"))
     template = plan.CombineParams(
-        push_offset=layout.push_offset, partial_stage_offset=layout.partial_stage_offset,
-        partial_recv_offset=layout.partial_recv_offset, capacity=layout.capacity,
-        push_bytes=layout.push_bytes, partial_bytes=layout.partial_bytes,
-        chunk_records=layout.chunk_records, **_fixed_fields(gb, COMBINE_OP))
+        push_offset=layout.push_offset, partial_recv_offset=layout.partial_recv_offset,
+        partial_stage_offset=layout.partial_stage_offset, push_ring=pushes.ring, push_chunk=pushes.chunk,
+        push_bytes=layout.push_bytes, ring=rings.ring, stage=rings.stage, chunk=rings.chunk,
+        partial_bytes=layout.partial_bytes, num_channels=spec.channels,
+        push_bases=push_table(gb, layout.push_in_nvl).data_ptr(), **_fixed_fields(gb, COMBINE_OP))
     return _Plan(_kernel(gb, plan.combine_kernel(num_ranks, num_local, spec.row_bytes)), layout, template)
-
-
-# The largest N of all ranks, by handle, where the host read it (exact-mode dispatch). Every rank
-# read the same value after notify, so a host check against it raises on all ranks alike. Kept as
-# an attribute of handle[2] (whose device copy at [R] the kernels read): a handle rebuilt from copies
-# loses it and is then checked on the device only.
-_MAX_TOKENS_ATTR = "_epcomm_max_tokens"
-
-
-def _host_max_tokens(handle: InternodeHandle) -> Optional[int]:
-    return getattr(handle.gbl_channel_prefix_matrix, _MAX_TOKENS_ATTR, None)
-
-
-def _max_tokens_ptr(handle: InternodeHandle, num_ranks: int) -> int:
-    """Device address of handle[2][R], the largest N of all ranks."""
-    totals = handle.gbl_channel_prefix_matrix
-    if totals.numel() != num_ranks + 1:
-        raise ValueError(f"handle[2] has {totals.numel()} elements, an internode handle of {num_ranks} "
-                         f"ranks {num_ranks + 1}")
-    return totals.data_ptr() + 4 * num_ranks
-
-
-def _check_known_capacity(handle, what: str, capacity: int, rdma_bytes: int, detail: str) -> None:
-    """The host-side capacity check, where every rank can make it alike (see _host_max_tokens)."""
-    max_tokens = _host_max_tokens(handle)
-    if max_tokens is not None:
-        plan.check_capacity(what, max_tokens, capacity, rdma_bytes, f"{detail}; the largest N of all ranks")
 
 
 # ---- dispatch --------------------------------------------------------------------------------
@@ -231,22 +239,18 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         num_local_experts = num_tokens_per_expert.shape[0] // num_ranks
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
         index_type = INDEX_TYPES[topk_idx.dtype] if topk_idx is not None else "int"
-        planned = plan_for(gb, DispatchSpec, (row_bytes, num_scales, num_topk, index_type, True), _dispatch_plan)
-        layout = planned.layout
+        channels = plan.num_channels(config.num_sms)
+        planned = plan_for(gb, DispatchSpec, (row_bytes, num_scales, num_topk, index_type, True, channels,
+                                              config.num_max_rdma_chunked_recv_tokens,
+                                              config.num_max_rdma_chunked_send_tokens), _dispatch_plan)
         _check_notify_fits(gb, num_local_experts, what)
-        # No capacity check on this rank's N here: the other ranks would launch notify and wait.
-        # num_worst_tokens: the data kernel checks the largest N of all ranks (fits_capacity);
-        # exact mode: _read_counts checks it on the host after notify, on every rank alike.
-        chunks = plan.num_chunks(config.num_sms)
-        tables = _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts,
+        tables = _notify(gb, is_token_in_rank, num_tokens_per_expert, channels, num_local_experts,
                          num_topk, num_scales, row_bytes)
         expert_counts: List[int] = []
         if num_worst_tokens > 0:
             num_out_rows = num_worst_tokens
         else:
-            num_out_rows, expert_counts, max_tokens = _read_counts(gb, tables["info"], num_local_experts,
-                                                                   expert_alignment, layout, what)
-            setattr(tables["gbl_channel_prefix"], _MAX_TOKENS_ATTR, max_tokens)
+            num_out_rows, expert_counts = _read_counts(gb, tables["info"], num_local_experts, expert_alignment)
         handle = InternodeHandle(
             is_token_in_rank, tables["rdma_channel_prefix"], tables["gbl_channel_prefix"],
             tables["recv_rdma_channel_prefix"], tables["recv_rdma_rank_prefix_sum"],
@@ -261,10 +265,10 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         num_local_experts, num_topk, index_type = 0, 0, "int"
         topk_idx = topk_weights = None
         num_out_rows = handle.recv_src_meta.shape[0]   # exact M, or num_worst_tokens of the fresh call
-        chunks = handle.rdma_channel_prefix_matrix.shape[1] - 1
-        planned = plan_for(gb, DispatchSpec, (row_bytes, num_scales, 0, "int", False), _dispatch_plan)
-        layout = planned.layout
-        _check_known_capacity(handle, what, layout.capacity, gb.rdma.nbytes, f"{layout.record_bytes}-byte records")
+        channels = _handle_channels(gb, handle)
+        planned = plan_for(gb, DispatchSpec, (row_bytes, num_scales, 0, "int", False, channels,
+                                              config.num_max_rdma_chunked_recv_tokens,
+                                              config.num_max_rdma_chunked_send_tokens), _dispatch_plan)
 
     recv_x = torch.empty((num_out_rows, hidden), dtype=x.dtype, device=device)
     recv_scales = None if x_scales is None else \
@@ -284,20 +288,31 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
     params.recv_x, params.recv_x_scales = ptr(recv_x), ptr(recv_scales)
     params.recv_topk_idx, params.recv_topk_weights = ptr(recv_topk_idx), ptr(recv_topk_weights)
     params.recv_src_meta = ptr(handle.recv_src_meta) if fresh else 0
-    params.max_tokens = _max_tokens_ptr(handle, num_ranks)
     if x_scales is not None:
         params.scale_stride_token, params.scale_stride_group = x_scales.stride()
-    params.num_tokens, params.num_chunks = num_tokens, chunks
-    params.tokens_per_chunk = plan.tokens_per_chunk(num_tokens, chunks)
+    params.num_tokens = num_tokens
+    params.tokens_per_channel = plan.tokens_per_channel(num_tokens, channels)
     params.num_local_experts, params.num_out_rows = num_local_experts, num_out_rows
-    launch_1d(gb, planned.kernel, config.num_sms, plan.THREADS, params)
+    launch_1d(gb, planned.kernel, plan.BLOCKS_PER_CHANNEL * channels, plan.THREADS, params)
 
     if not fresh:
         return DispatchResult(recv_x, recv_scales, None, None, None, None)
     return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_counts, handle)
 
 
-def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_experts, num_topk,
+def _handle_channels(gb, handle) -> int:
+    """G of the handle's fresh dispatch: its channel prefix tables are [M, G+1] and [R, G+1]."""
+    channels = handle.rdma_channel_prefix_matrix.shape[-1] - 1
+    num_nodes = gb.num_ranks // gb.num_local_ranks
+    shapes = (tuple(handle.rdma_channel_prefix_matrix.shape), tuple(handle.recv_rdma_channel_prefix_matrix.shape))
+    if not 1 <= channels <= plan.MAX_CHANNELS or shapes != ((num_nodes, channels + 1), (gb.num_ranks, channels + 1)):
+        raise ValueError(f"handle[1] / handle[3] must be [{num_nodes}, G+1] / [{gb.num_ranks}, G+1] with "
+                         f"1 <= G <= {plan.MAX_CHANNELS} (the channels of the dispatch), got "
+                         f"{list(shapes[0])} / {list(shapes[1])}")
+    return channels
+
+
+def _notify(gb, is_token_in_rank, num_tokens_per_expert, channels, num_local_experts, num_topk,
             num_scales, row_bytes) -> dict:
     """Launch the notify kernel; its output tensors by name. The token format (num_topk, num_scales,
     row_bytes: the dispatch record) is exchanged with the counts and checked equal on every rank."""
@@ -309,8 +324,8 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
         return torch.empty(shape, dtype=torch.int32, device=device)
 
     out = dict(info=ints(1 + num_ranks * num_ranks + num_local_experts),
-               rdma_channel_prefix=ints(num_nodes, chunks + 1), gbl_channel_prefix=ints(num_ranks + 1),
-               recv_rdma_channel_prefix=ints(num_ranks, chunks + 1),
+               rdma_channel_prefix=ints(num_nodes, channels + 1), gbl_channel_prefix=ints(num_ranks + 1),
+               recv_rdma_channel_prefix=ints(num_ranks, channels + 1),
                recv_rdma_rank_prefix_sum=ints(num_nodes), recv_gbl_channel_prefix=ints(num_ranks, 1),
                recv_gbl_rank_prefix_sum=ints(num_ranks), send_rdma_head=ints(num_tokens, num_nodes),
                send_nvl_head=ints(num_tokens, num_ranks))
@@ -319,26 +334,23 @@ def _notify(gb, is_token_in_rank, num_tokens_per_expert, chunks, num_local_exper
     params.is_token_in_rank, params.num_tokens_per_expert = ptr(is_token_in_rank), ptr(num_tokens_per_expert)
     for name, tensor in out.items():
         setattr(params, name, ptr(tensor))
-    params.num_tokens, params.num_chunks = num_tokens, chunks
-    params.tokens_per_chunk = plan.tokens_per_chunk(num_tokens, chunks)
+    params.num_tokens, params.num_channels = num_tokens, channels
+    params.tokens_per_channel = plan.tokens_per_channel(num_tokens, channels)
     params.num_local_experts, params.num_topk = num_local_experts, num_topk
     params.num_scales, params.row_bytes = num_scales, row_bytes
     launch_1d(gb, planned.kernel, 1, plan.NOTIFY_THREADS, params)
     return out
 
 
-def _read_counts(gb, info, num_local_experts, expert_alignment, layout, what):
-    """Exact mode: wait for notify, read the counts -> (rows received, per-expert counts, largest N
-    of all ranks). Every rank reads the same N max, so the capacity check raises on all ranks alike
-    (ranks with different Config.num_sms, num_experts or token formats were recorded by the notify
-    kernel: check_errors raises that)."""
+def _read_counts(gb, info, num_local_experts, expert_alignment):
+    """Exact mode: wait for notify, read the counts -> (rows received, per-expert counts). Ranks
+    with different Config.num_sms, num_experts or token formats were recorded by the notify kernel
+    (check_errors raises that)."""
     num_ranks, values = gb.num_ranks, host_ints(gb, info)
-    plan.check_capacity(what, values[0], layout.capacity, gb.rdma.nbytes,
-                        f"{layout.record_bytes}-byte records; the largest N of all ranks")
     num_recv = values[1 + (num_ranks - 1) * num_ranks + gb.rank]
     experts = values[1 + num_ranks * num_ranks:]
     align = expert_alignment
-    return num_recv, [(c + align - 1) // align * align for c in experts], values[0]
+    return num_recv, [(c + align - 1) // align * align for c in experts]
 
 
 # ---- combine ---------------------------------------------------------------------------------
@@ -361,13 +373,11 @@ def combine(gb, x, handle, topk_weights, bias, config):
     x, topk_weights = aligned(x.contiguous()), aligned(topk_weights)
     bias0, bias1 = (aligned(b) for b in bias)
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-    planned = plan_for(gb, CombineSpec, (hidden * 2,), _combine_plan)
-    layout = planned.layout
-    # This rank's N alone is no collective-safe check (the others would launch and wait): the
-    # largest N of all ranks, on the host where known, else on the device (fits_capacity).
-    _check_known_capacity(handle, what, layout.capacity, gb.rdma.nbytes,
-                          f"{layout.push_bytes}-byte rows per local rank and {layout.partial_bytes}-byte "
-                          f"partial sums")
+    channels = _handle_channels(gb, handle)
+    planned = plan_for(gb, CombineSpec, (hidden * 2, channels, config.num_max_rdma_chunked_recv_tokens,
+                                         config.num_max_rdma_chunked_send_tokens,
+                                         config.num_max_nvl_chunked_recv_tokens,
+                                         config.num_max_nvl_chunked_send_tokens), _combine_plan)
 
     combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
     combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device) \
@@ -378,10 +388,10 @@ def combine(gb, x, handle, topk_weights, bias, config):
     params.recv_src_meta = ptr(handle.recv_src_meta)
     params.recv_gbl_rank_prefix_sum = handle.recv_gbl_rank_prefix_sum.data_ptr()
     params.recv_rdma_channel_prefix = handle.recv_rdma_channel_prefix_matrix.data_ptr()
+    params.rdma_channel_prefix = handle.rdma_channel_prefix_matrix.data_ptr()
     params.send_rdma_head = ptr(handle.send_rdma_head)
     params.combined_x, params.combined_weights = ptr(combined_x), ptr(combined_weights)
-    params.max_tokens = _max_tokens_ptr(handle, num_ranks)
     params.num_tokens, params.num_topk = num_tokens, num_topk
-    params.num_chunks = handle.rdma_channel_prefix_matrix.shape[1] - 1
-    launch_1d(gb, planned.kernel, config.num_sms, plan.THREADS, params)
+    params.tokens_per_channel = plan.tokens_per_channel(num_tokens, channels)
+    launch_1d(gb, planned.kernel, plan.BLOCKS_PER_CHANNEL * channels, plan.THREADS, params)
     return combined_x, combined_weights

@@ -49,9 +49,9 @@ def test_header_and_constants_mirror_cpp():
         lines.append(f"static_assert(epcomm::internode::Header<{ranks}, {nodes}>::kBytes == "
                      f"{plan.header_bytes(ranks, nodes)}, \"header bytes R={ranks} M={nodes}\");")
     for name, value in (("kThreads", plan.THREADS), ("kNotifyThreads", plan.NOTIFY_THREADS),
-                        ("kMaxChunks", plan.MAX_CHUNKS), ("kMaxTopk", plan.MAX_TOPK),
+                        ("kMaxChannels", plan.MAX_CHANNELS), ("kMaxTopk", plan.MAX_TOPK),
                         ("kMaxLocalExperts", plan.MAX_LOCAL_EXPERTS), ("kNotifyHead", plan.NOTIFY_HEAD),
-                        ("kPhaseConfigMismatch", len(plan.PHASES) - 2), ("kPhaseCapacity", len(plan.PHASES) - 1)):
+                        ("kPhaseConfigMismatch", len(plan.PHASES) - 2), ("kPhaseRingRoom", len(plan.PHASES) - 1)):
         # Unqualified inside the namespace: the family's names and common/'s (kMaxTopk) are both found.
         lines.append(f"namespace epcomm {{ namespace internode {{ static_assert({name} == {value}, \"{name}\"); }} }}")
     nvrtc_check("\n".join(lines) + "\n", "internode_check.cu", True, "layout mirror mismatch")

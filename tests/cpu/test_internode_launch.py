@@ -1,6 +1,6 @@
 """The internode launcher's host path without a GPU: kernels and launches are replaced by recorders,
 so every branch of epcomm/ops/internode.py (fresh exact / num_worst_tokens, cached, combine, the
-capacity checks) runs on CPU tensors, and the Params it fills are checked against the handle and
+buffer checks) runs on CPU tensors, and the Params it fills are checked against the handle and
 the buffer layout."""
 from __future__ import annotations
 
@@ -31,12 +31,13 @@ def launches(monkeypatch):
 
 
 class FakeRdma:   # what the launcher reads of runtime.symmetric.SymmetricBuffer (weakref-able)
-    def __init__(self, nbytes):
-        self.nbytes, self.ptr, self.peer_ptrs = nbytes, 4096, [8192 * (r + 1) for r in range(RANKS)]
+    def __init__(self, nbytes, first=8192):
+        self.nbytes, self.ptr, self.peer_ptrs = nbytes, first // 2, [first * (r + 1) for r in range(RANKS)]
 
 
-def fake_backend(rank=1, rdma_bytes=64 << 20, **options):
+def fake_backend(rank=1, rdma_bytes=64 << 20, nvl_bytes=64 << 20, **options):
     return SimpleNamespace(
+        nvl=FakeRdma(nvl_bytes, first=1 << 40) if nvl_bytes else None,
         rank=rank, num_ranks=RANKS, num_local_ranks=LOCAL, device=torch.device("cpu"), device_index=0,
         arch=SimpleNamespace(num_sms=132, feature=90), low_latency_mode=False, timeout_ns=123,
         rdma=FakeRdma(rdma_bytes), status=SimpleNamespace(device_ptr=0), check_errors=lambda: None,
@@ -80,7 +81,7 @@ def test_fresh_exact_dispatch_fills_params_from_the_handle(launches, monkeypatch
     assert data_name == plan.dispatch_kernel(RANKS, LOCAL, HIDDEN * 2, 0, "long long", True) and grid == 8
     handle = result.handle
     assert len(handle) == 10 and result.recv_x.shape == (37, HIDDEN) and handle[7].shape == (37, 3)
-    chunks = plan.num_chunks(8)
+    chunks = plan.num_channels(8)   # two blocks per channel: grid 8
     nodes = RANKS // LOCAL
     shapes = [(64, RANKS), (nodes, chunks + 1), (RANKS + 1,), (RANKS, chunks + 1), (nodes,), (RANKS, 1), (RANKS,),
               (37, 3), (64, nodes), (64, RANKS)]
@@ -89,10 +90,14 @@ def test_fresh_exact_dispatch_fills_params_from_the_handle(launches, monkeypatch
         (handle[1].data_ptr(), handle[8].data_ptr(), handle[9].data_ptr())
     assert (p.rdma_channel_prefix, p.recv_rdma_channel_prefix, p.recv_gbl_rank_prefix_sum, p.recv_src_meta) == \
         (handle[1].data_ptr(), handle[3].data_ptr(), handle[6].data_ptr(), handle[7].data_ptr())
-    layout = plan.DispatchLayout(gb.rdma.nbytes, RANKS, LOCAL, plan.dispatch_record_bytes(HIDDEN * 2, 0, TOPK, LOCAL))
-    assert (p.recv_offset, p.stage_offset, p.capacity, p.record_bytes) == \
-        (layout.recv_offset, layout.stage_offset, layout.capacity, layout.record_bytes)
-    assert (p.num_chunks, p.num_topk, p.num_out_rows, p.num_local_experts, p.rank) == (chunks, TOPK, 37, 4, 1)
+    config = Config(8)
+    rings = plan.dispatch_rings(config.num_max_rdma_chunked_recv_tokens, config.num_max_rdma_chunked_send_tokens)
+    record = plan.dispatch_record_bytes(HIDDEN * 2, 0, TOPK, LOCAL)
+    layout = plan.DispatchLayout(RANKS, LOCAL, record, chunks, rings)
+    assert (p.recv_offset, p.stage_offset, p.record_bytes) == (layout.recv_offset, layout.stage_offset, record)
+    assert (p.ring, p.stage, p.chunk) == (258, 12, 6) == (rings.ring, rings.stage, rings.chunk)   # 256 rounded up to whole chunks
+    assert (p.num_channels, p.tokens_per_channel) == (chunks, 16) and notify.tokens_per_channel == 16
+    assert (p.num_topk, p.num_out_rows, p.num_local_experts, p.rank) == (TOPK, 37, 4, 1)
     assert result.num_recv_tokens_per_expert_list == [3] * 4
     # the own entry is the heap address (NVSHMEM translates puts relative to it), the other local
     # rank's its nvshmem_ptr; other nodes' are null (puts) unless allow_mnnvl (test below)
@@ -101,9 +106,7 @@ def test_fresh_exact_dispatch_fills_params_from_the_handle(launches, monkeypatch
     assert (notify.area_offset, notify.stage_offset) == plan.notify_offsets(RANKS, nodes)[:2]
     # the token format goes into the count rows (checked equal on every rank by the notify kernel)
     assert (notify.num_topk, notify.num_scales, notify.row_bytes) == (TOPK, 0, HIDDEN * 2)
-    # the data kernel checks the largest N of all ranks, handle[2][R] (written by notify)
-    assert notify.gbl_channel_prefix == handle[2].data_ptr() and p.max_tokens == handle[2].data_ptr() + 4 * RANKS
-    assert internode._host_max_tokens(handle) == 64   # exact mode: read on the host after notify
+    assert notify.gbl_channel_prefix == handle[2].data_ptr()
 
 
 def test_worst_and_cached_dispatch_and_combine(launches):
@@ -112,10 +115,8 @@ def test_worst_and_cached_dispatch_and_combine(launches):
     worst = dispatch(gb, *x, num_worst_tokens=500)
     assert len(launches) == 2 and worst.recv_x.shape == (500, HIDDEN) and worst.recv_x_scales.shape == (500, 2)
     assert worst.num_recv_tokens_per_expert_list == []
-    assert internode._host_max_tokens(worst.handle) is None   # never read on the host: device check only
     assert launches[0][2].num_scales == 2 and launches[0][2].row_bytes == HIDDEN
     p = launches[-1][2]
-    assert p.max_tokens == worst.handle[2].data_ptr() + 4 * RANKS
     assert (p.scale_stride_token, p.scale_stride_group) == (1, 64)   # column-major scales as given
     assert launches[-1][0] == plan.dispatch_kernel(RANKS, LOCAL, HIDDEN, 2, "long long", True)
 
@@ -124,46 +125,60 @@ def test_worst_and_cached_dispatch_and_combine(launches):
     p = launches[-1][2]
     assert launches[-1][0] == plan.dispatch_kernel(RANKS, LOCAL, HIDDEN, 2, "int", False)
     assert not p.recv_src_meta and not p.topk_idx and p.num_topk == 0   # ctypes reads a null as None
-    assert p.max_tokens == worst.handle[2].data_ptr() + 4 * RANKS
+    # the channels of the handle's fresh dispatch, whatever this call's Config.num_sms
+    assert launches[-1][1] == 8 and p.num_channels == 4
+    dispatch(gb, *x, handle=worst.handle, config=Config(20))
+    assert launches[-1][1] == 8 and launches[-1][2].num_channels == 4
+    rebuilt = list(worst.handle)
+    rebuilt[3] = rebuilt[3][:, :2]
+    with pytest.raises(ValueError, match=r"handle\[1\] / handle\[3\] must be \[2, G\+1\] / \[4, G\+1\]"):
+        dispatch(gb, *x, handle=tuple(rebuilt))
 
     rows = torch.randn(500, HIDDEN).bfloat16()
     bias = torch.randn(64, HIDDEN).bfloat16()
     combined, weights = internode.combine(gb, rows, worst.handle, torch.rand(500, TOPK), (bias, None), Config(6))
     assert combined.shape == (64, HIDDEN) and weights.shape == (64, TOPK)
     name, grid, p = launches[-1]
-    assert name == plan.combine_kernel(RANKS, LOCAL, HIDDEN * 2) and grid == 6
-    layout = plan.CombineLayout(gb.rdma.nbytes, RANKS, LOCAL, HIDDEN * 2)
-    assert (p.push_offset, p.partial_stage_offset, p.partial_recv_offset, p.capacity, p.chunk_records) == \
-        (layout.push_offset, layout.partial_stage_offset, layout.partial_recv_offset, layout.capacity,
-         layout.chunk_records)
-    assert (p.bias0, p.bias1, p.num_chunks) == (bias.data_ptr(), None, plan.num_chunks(8))
-    assert p.max_tokens == worst.handle[2].data_ptr() + 4 * RANKS and p.num_topk == TOPK
+    assert name == plan.combine_kernel(RANKS, LOCAL, HIDDEN * 2) and grid == 8   # the handle's 4 channels
+    config = Config(6)
+    rings = plan.combine_rings(config.num_max_rdma_chunked_recv_tokens, config.num_max_rdma_chunked_send_tokens)
+    pushes = plan.push_rings(config.num_max_nvl_chunked_recv_tokens, config.num_max_nvl_chunked_send_tokens)
+    layout = plan.CombineLayout(RANKS, LOCAL, HIDDEN * 2, 4, rings, pushes, gb.nvl.nbytes)
+    assert layout.push_in_nvl and p.push_offset == 0
+    assert (p.partial_stage_offset, p.partial_recv_offset, p.partial_bytes, p.push_bytes) == \
+        (layout.partial_stage_offset, layout.partial_recv_offset, layout.partial_bytes, layout.push_bytes)
+    assert (p.ring, p.stage, p.chunk, p.push_ring, p.push_chunk) == (129, 12, 6, 256, 6)
+    # push FIFOs in the NVL buffer of this node's ranks
+    assert list((ctypes.c_int64 * RANKS).from_address(p.push_bases)) == [1 << 40, 1 << 39, 0, 0]
+    assert (p.bias0, p.bias1, p.num_channels) == (bias.data_ptr(), None, 4)
+    assert p.rdma_channel_prefix == worst.handle[1].data_ptr() and p.num_topk == TOPK
     with pytest.raises(ValueError, match="x has 499 rows"):
         internode.combine(gb, rows[:499], worst.handle, None, (None, None), Config(6))
 
 
-def test_capacity_and_buffer_errors_come_before_any_launch(launches, monkeypatch):
+def test_buffer_errors_come_before_any_launch(launches, monkeypatch):
     x = torch.randn(64, HIDDEN).bfloat16()
-    with pytest.raises(ValueError, match="smaller than the .* bytes the count exchange of 4 ranks needs"):
+    with pytest.raises(ValueError, match="smaller than the .* bytes 4 channels of Rings"):
         dispatch(fake_backend(rdma_bytes=plan.header_bytes(RANKS, RANKS // LOCAL) + 1024), x)
-    small = plan.header_bytes(RANKS, RANKS // LOCAL) + 2 * 2 * 40 * plan.dispatch_record_bytes(HIDDEN * 2, 0, TOPK, LOCAL)
-    gb = fake_backend(rdma_bytes=small)
+    with pytest.raises(ValueError, match="Config.num_sms=258 gives 129 channels; internode mode supports up to 128"):
+        gb = fake_backend()
+        gb.arch.num_sms = 300
+        dispatch(gb, x, config=Config(258))
     assert launches == []
-    # num_worst_tokens: this rank's N is no collective-safe host check (the other ranks would launch
-    # and wait for it): both kernels launch, the data kernel checks the largest N of all ranks
-    dispatch(gb, x, num_worst_tokens=300)
-    assert len(launches) == 2 and launches[-1][2].capacity == 40
-    # exact mode learns the largest N of all ranks from notify: every rank raises there alike
+    # the rings do not depend on N: a buffer that holds them carries any N, exact or worst mode
+    config = Config(8)
+    need = plan.rdma_bytes_needed(config, HIDDEN * 2, 0, TOPK, RANKS, LOCAL)
+    gb = fake_backend(rdma_bytes=need)
+    answer_counts(monkeypatch, 100000, 5)
+    dispatch(gb, x, config=config)
+    dispatch(gb, torch.randn(5000, HIDDEN).bfloat16(), num_tokens=5000, num_worst_tokens=20000, config=config)
+    assert len(launches) == 4
     launches.clear()
-    answer_counts(monkeypatch, 64, 5)
-    with pytest.raises(ValueError, match="the largest N of all ranks"):
-        dispatch(gb, x)
-    assert len(launches) == 1   # notify only
     topk_idx, weights, per_rank, per_node, _, in_rank = routing(64)
     too_many = torch.zeros(RANKS * (plan.MAX_LOCAL_EXPERTS + 1), dtype=torch.int32)
     with pytest.raises(ValueError, match="1025 experts per rank; internode mode supports up to 1024"):
         internode.dispatch(gb, x, None, None, per_rank, per_node, in_rank, too_many, topk_idx, weights, 1, 0, Config(8))
-    assert len(launches) == 1
+    assert launches == []
     gb = fake_backend()
     gb.low_latency_mode = True
     with pytest.raises(NotImplementedError, match="low_latency_mode"):
@@ -177,30 +192,27 @@ def test_capacity_and_buffer_errors_come_before_any_launch(launches, monkeypatch
         dispatch(gb, x)
 
 
-def test_later_calls_check_capacity_on_the_host_only_where_every_rank_knows_n(launches, monkeypatch):
-    """An exact-mode handle carries the largest N of all ranks (read after notify): a cached dispatch
-    or a combine that cannot hold it raises on every rank before any launch. A num_worst_tokens
-    handle does not: the kernel checks it (every rank alike), never this rank's N on the host."""
-    gb = fake_backend(rdma_bytes=16 << 20)
-    x = torch.randn(64, HIDDEN).bfloat16()
-    answer_counts(monkeypatch, 3000, 37)
-    exact = dispatch(gb, x).handle   # 3000 fits the 16 MiB dispatch capacity, not combine's
-    combine = plan.CombineLayout(gb.rdma.nbytes, RANKS, LOCAL, HIDDEN * 2).capacity
-    assert combine < 3000 <= launches[-1][2].capacity
+def test_combine_push_fifos_fall_back_to_the_rdma_buffer(launches):
+    """An NVL buffer too small for the push FIFOs: they go after the rings in the RDMA buffer; if that
+    cannot hold them either, ValueError before the launch naming both."""
+    config = Config(8)
+    gb = fake_backend(nvl_bytes=1 << 20)
+    worst = dispatch(gb, torch.randn(64, HIDDEN).bfloat16(), num_worst_tokens=500, config=config).handle
     launches.clear()
-    with pytest.raises(ValueError, match=f"3000 tokens per rank do not fit .* holds {combine} .*largest N"):
-        internode.combine(gb, torch.randn(37, HIDDEN).bfloat16(), exact, None, (None, None), Config(6))
-    assert launches == []
-    small = fake_backend(rdma_bytes=plan.header_bytes(RANKS, RANKS // LOCAL) +
-                         2 * 2 * 2000 * plan.dispatch_record_bytes(HIDDEN * 2, 0, 0, LOCAL))
-    with pytest.raises(ValueError, match="3000 tokens per rank do not fit"):
-        dispatch(small, x, handle=exact)
-    assert launches == []
-    worst = dispatch(gb, x, num_worst_tokens=500).handle
-    launches.clear()
-    internode.combine(gb, torch.randn(500, HIDDEN).bfloat16(), worst, None, (None, None), Config(6))
-    dispatch(small, x, handle=worst)
-    assert [p.max_tokens for _, _, p in launches] == [worst[2].data_ptr() + 4 * RANKS] * 2
+    rows = torch.randn(500, HIDDEN).bfloat16()
+    internode.combine(gb, rows, worst, None, (None, None), config)
+    p = launches[-1][2]
+    assert p.push_offset > p.partial_stage_offset and p.push_offset % 256 == 0
+    assert list((ctypes.c_int64 * RANKS).from_address(p.push_bases)) == [8192, 4096, 0, 0]
+    rings = plan.combine_rings(config.num_max_rdma_chunked_recv_tokens, config.num_max_rdma_chunked_send_tokens)
+    pushes = plan.push_rings(config.num_max_nvl_chunked_recv_tokens, config.num_max_nvl_chunked_send_tokens)
+    end = plan.CombineLayout(RANKS, LOCAL, HIDDEN * 2, 4, rings, pushes, 0).end
+    small = fake_backend(nvl_bytes=0, rdma_bytes=end - 128)
+    with pytest.raises(ValueError, match="as num_nvl_bytes=0 cannot hold them"):
+        internode.combine(small, rows, worst, None, (None, None), config)
+    assert len(launches) == 1
+    internode.combine(fake_backend(nvl_bytes=0, rdma_bytes=end), rows, worst, None, (None, None), config)
+    assert len(launches) == 2
 
 
 def test_combine_bias_must_cover_every_token(launches):
@@ -237,7 +249,8 @@ def test_plans_are_the_backends_and_each_call_fills_its_own_params(launches, mon
     dispatch(gb, x)
     dispatch(gb, x, num_worst_tokens=100)
     assert set(gb.plans) == {internode.PeerTableSpec, internode.NotifySpec, internode.DispatchSpec}
-    assert list(gb.plans[internode.DispatchSpec]) == [internode.DispatchSpec(HIDDEN * 2, 0, TOPK, "long long", True)]
+    assert list(gb.plans[internode.DispatchSpec]) == \
+        [internode.DispatchSpec(HIDDEN * 2, 0, TOPK, "long long", True, 4, 258, 6)]
     (_, _, first), (_, _, second) = launches[1], launches[3]
     assert first is not second and (first.num_out_rows, second.num_out_rows) == (37, 100)
-    assert first.capacity == second.capacity > 0 and first.peer_bases == second.peer_bases != 0
+    assert first.ring == second.ring > 0 and first.peer_bases == second.peer_bases != 0

@@ -105,7 +105,8 @@ def test_internode_under_framework_defaults(dist_env):
     world = dist_env.world_size
     if world < 2:
         pytest.skip("internode needs 2 ranks (each its own node); this run has 1")
-    rdma = internode_plan.rdma_bytes_needed(TOKENS * world, HIDDEN * 2, 0, TOPK, world, 1)
+    configs = [epcomm.Buffer.get_dispatch_config(world), epcomm.Buffer.get_combine_config(world)]
+    rdma = internode_plan.rdma_bytes_for(configs, HIDDEN * 2, 0, TOPK, world, 1, 0)
 
     def make_buffer():
         with pytest.MonkeyPatch.context() as env:

@@ -97,6 +97,12 @@ def warm_kernels(dist_env, buf, inputs) -> None:
 _SCALE_INPUTS = {}   # (profile, L) -> every rank's inputs: the BF16 and FP8 cases of a profile share them
 
 
+def ring_bytes(config, world: int, local: int, hidden: int = HIDDEN) -> int:
+    """num_rdma_bytes that calls with `config` need (independent of N) next to make_buffer's NVL
+    buffer, push FIFOs included."""
+    return plan.rdma_bytes_for([config], hidden * 2, hidden // 128, 32, world, local, 1 << 20)
+
+
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=["L1", "L2", "L4"])
 def setup(dist_env, request):
     """(Buffer, L): M = R / L nodes of L ranks, M >= 2, the Buffer DeepEP V1's internode test
@@ -505,106 +511,50 @@ def test_mnnvl_writes_other_nodes_in_place(dist_env, setup):
         release(dist_env, buf)
 
 
-# ---- capacity and failures ------------------------------------------------------------------------
-def capacities(buf, world: int):
-    """(dispatch, combine) capacity in tokens per rank of a BF16 H = 7168, K = 8 call on nodes of 1."""
-    record, nbytes = plan.dispatch_record_bytes(HIDDEN * 2, 0, 8, 1), buf.num_rdma_bytes
-    return (plan.DispatchLayout(nbytes, world, 1, record).capacity,
-            plan.CombineLayout(nbytes, world, 1, HIDDEN * 2).capacity)
-
-
-def uneven_over_capacity(dist_env, buf, fits_dispatch: bool, seed: int):
-    """(every rank's inputs, combine's capacity) with N alternating by rank between half combine's
-    capacity and a big N that fits dispatch but not combine (fits_dispatch: like (1000, 4600) on 2
-    ranks at 256 MiB) or not even dispatch ((900, 5000))."""
-    dispatch_cap, combine_cap = capacities(buf, dist_env.world_size)
-    ns = (combine_cap // 2, dispatch_cap - 55 if fits_dispatch else dispatch_cap + 345)
-    assert combine_cap < ns[1], (dispatch_cap, combine_cap)
-    return inputs_for(dist_env, 1, ns, seed=seed, hidden=HIDDEN, num_experts=_e(64), num_topk=8), combine_cap
-
-
-def test_too_many_tokens_raise_before_the_data_kernel(dist_env):
-    """A buffer that holds fewer tokens than N: ValueError on every rank once notify told every rank
-    the largest N (exact mode), nothing written; then a call that fits works."""
+# ---- fixed-size rings and failures ---------------------------------------------------------------
+def test_any_n_streams_through_rings_of_fixed_size(dist_env):
+    """A Buffer of exactly the bytes the Config's rings need (nothing depends on N) carries N up to
+    16384 per rank, N differing by rank, N = 0 and 1 on some: dispatch (exact and num_worst_tokens)
+    and combine bit-exact, many times over every ring."""
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
     if world < 2:
         pytest.skip("needs 2 or more ranks")
-    record = plan.dispatch_record_bytes(HIDDEN * 2, 0, 8, 1)
-    small = plan.header_bytes(world, world) + 2 * world * 64 * record
-    buf = make_buffer(dist_env, 1, rdma_bytes=-(-small // 128) * 128)
+    config = epcomm.Config(dist_env.sms(8))
+    buf = make_buffer(dist_env, 1, rdma_bytes=-(-ring_bytes(config, world, 1) // 128) * 128)
     try:
-        inputs = inputs_for(dist_env, 1, (200,), seed=91, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
-        with pytest.raises(ValueError, match="do not fit the RDMA buffer"):
-            run_dispatch(buf, inputs[rank], device, False)
-        fits = inputs_for(dist_env, 1, (16,), seed=92, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
-        got = run_dispatch(buf, fits[rank], device, False)
-        check(dist_env, dispatch_errors(got, expected(fits, rank, _e(64), False), False, rank, fits), "after the error")
+        ns = (16384, 0, 1, 4096)
+        inputs = inputs_for(dist_env, 1, ns, seed=91, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
+        got = run_dispatch(buf, inputs[rank], device, False, config=config)
+        check(dist_env, dispatch_errors(got, expected(inputs, rank, _e(64), False), False, rank, inputs) +
+              combine_errors(dist_env, buf, got, inputs, 1, _e(64), config=config), "N up to 16384")
+        num_worst = sum(len(i.x) for i in inputs)
+        got = run_dispatch(buf, inputs[rank], device, False, config=config, num_worst_tokens=num_worst)
+        check(dist_env, dispatch_errors(got, expected(inputs, rank, _e(64), False, num_worst_tokens=num_worst),
+                                        False, rank, inputs), "N up to 16384, num_worst_tokens")
     finally:
         release(dist_env, buf)
 
 
-def test_uneven_n_over_capacity_raises_on_every_rank_in_exact_mode(dist_env):
-    """256 MiB, ranks with N far apart: one rank's N fits dispatch but not combine
-    ((1000, 4600) on 2 ranks: a check on that rank alone would let the other launch and write past
-    its peer's buffer), or not even dispatch ((900, 5000)). Exact mode: every rank
-    knows the largest N from notify, so every rank raises ValueError before the data kernel, and
-    the Buffer stays usable."""
+def test_rings_that_do_not_fit_raise_before_any_launch(dist_env):
+    """A buffer smaller than the Config's rings: ValueError on every rank before any launch (a
+    function of the Config and the Buffer alone), and the Buffer stays usable with a smaller Config."""
     rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
     if world < 2:
         pytest.skip("needs 2 or more ranks")
-    buf = make_buffer(dist_env, 1)
+    small = epcomm.Config(2, 6, 32, 4, 16)
+    buf = make_buffer(dist_env, 1, rdma_bytes=-(-ring_bytes(small, world, 1) // 128) * 128)
     try:
-        inputs, combine_cap = uneven_over_capacity(dist_env, buf, True, seed=111)
-        got = run_dispatch(buf, inputs[rank], device, False)
-        check(dist_env, dispatch_errors(got, expected(inputs, rank, _e(64), False), False, rank, inputs),
-              "dispatch of N up to its capacity")
+        inputs = inputs_for(dist_env, 1, (300, 20), seed=92, hidden=HIDDEN, num_experts=_e(64), num_topk=8)
 
         def every_rank_raises():
-            with pytest.raises(ValueError, match="do not fit the RDMA buffer.*largest N of all ranks"):
-                buf.combine(got[0], got[4], topk_weights=got[2])
-            over = uneven_over_capacity(dist_env, buf, False, seed=112)[0]
-            with pytest.raises(ValueError, match="do not fit the RDMA buffer.*largest N of all ranks"):
-                run_dispatch(buf, over[rank], device, False)
+            with pytest.raises(ValueError, match="smaller than the .* bytes"):
+                run_dispatch(buf, inputs[rank], device, False, config=epcomm.Config(dist_env.sms(24)))
         on_all_ranks(dist_env, every_rank_raises)
-
-        fits = inputs_for(dist_env, 1, (combine_cap // 3, combine_cap // 2), seed=113, hidden=HIDDEN,
-                          num_experts=_e(64), num_topk=8)
-        got = run_dispatch(buf, fits[rank], device, False)
-        check(dist_env, dispatch_errors(got, expected(fits, rank, _e(64), False), False, rank, fits) +
-              combine_errors(dist_env, buf, got, fits, 1, _e(64)), "after the errors")
+        got = run_dispatch(buf, inputs[rank], device, False, config=small)
+        check(dist_env, dispatch_errors(got, expected(inputs, rank, _e(64), False), False, rank, inputs) +
+              combine_errors(dist_env, buf, got, inputs, 1, _e(64), config=small), "after the error")
     finally:
         release(dist_env, buf)
-
-
-@pytest.mark.parametrize("stage", ["dispatch", "combine"])
-def test_uneven_n_over_capacity_fails_on_every_rank_with_num_worst_tokens(dist_env, stage):
-    """As above with num_worst_tokens (no host read of the counts): the data kernel of `stage` finds
-    the largest N of all ranks (notify's) over its capacity, records DeviceCheckFailed on every rank
-    and skips its work (before: one rank raised on the host before notify and the other timed out,
-    or combine wrote past the peer's buffer); the next call raises it, then BufferUnusable."""
-    rank, world, device = dist_env.rank, dist_env.world_size, dist_env.device
-    if world < 2:
-        pytest.skip("needs 2 or more ranks")
-    buf = make_buffer(dist_env, 1)
-    try:
-        inputs = uneven_over_capacity(dist_env, buf, stage == "combine", seed=121)[0]
-        num_worst = sum(len(i.x) for i in inputs)
-
-        def every_rank_fails():
-            got = run_dispatch(buf, inputs[rank], device, False, num_worst_tokens=num_worst)
-            if stage == "combine":
-                buf.combine(got[0], got[4], topk_weights=got[2])
-            torch.cuda.synchronize()
-            with pytest.raises(DeviceCheckFailed) as caught:
-                run_dispatch(buf, inputs[rank], device, False, num_worst_tokens=num_worst)
-            error = caught.value
-            assert (error.op, error.rank, error.peer, error.phase) == \
-                (f"internode {stage}", rank, -1, plan.PHASES[-1]), repr(error)
-            with pytest.raises(BufferUnusable):
-                run_dispatch(buf, inputs[rank], device, False, num_worst_tokens=num_worst)
-        on_all_ranks(dist_env, every_rank_fails)
-    finally:
-        release(dist_env, buf, failed=True)
 
 
 @pytest.mark.parametrize("differs", ["num_experts", "topk_weights"])

@@ -57,12 +57,13 @@ def _routing(shapes, num_tokens, device, seed):
 def test_normal_mode_calls_hit_the_precompiled_cache(dist_env, monkeypatch):
     import epcomm
     R, device = dist_env.world_size, dist_env.device
-    from epcomm.ops.internode_plan import rdma_bytes_needed
-    probe, max_tokens = _shapes(R, R, ("normal",)), 64 + R
+    from epcomm.ops.internode_plan import rdma_bytes_for
+    probe = _shapes(R, R, ("normal",))
     # RDMA bytes for any ranks per node the machine gives (1 per node needs the most)
-    rdma = rdma_bytes_needed(max_tokens, probe.hidden * 2, probe.hidden // 128, probe.num_topk, R, 1)
-    buffer = epcomm.Buffer(dist_env.group, num_nvl_bytes=epcomm.Config().get_nvl_buffer_size_hint(probe.hidden * 2, R),
-                           num_rdma_bytes=-(-rdma // 128) * 128, explicitly_destroy=True)
+    nvl = epcomm.Config().get_nvl_buffer_size_hint(probe.hidden * 2, R)
+    configs = [epcomm.Buffer.get_dispatch_config(R), epcomm.Buffer.get_combine_config(R)]
+    rdma = rdma_bytes_for(configs, probe.hidden * 2, probe.hidden // 128, probe.num_topk, R, 1, nvl)
+    buffer = epcomm.Buffer(dist_env.group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, explicitly_destroy=True)
     shapes = _shapes(R, R // buffer.runtime.get_num_rdma_ranks(), ("normal",))
 
     def calls():

@@ -81,4 +81,4 @@ def test_epcomm_records_come_from_its_plan():
     from epcomm.ops import internode_plan as plan
     rdma, nvl = sm.wire_bytes("epcomm", "combine_bf16", 8)
     assert rdma == plan.combine_partial_bytes(2 * sm.HIDDEN) and nvl == plan.combine_push_bytes(2 * sm.HIDDEN)
-    assert sm.pipeline_depth("epcomm", 4096, 24) == plan.num_chunks(24)
+    assert sm.pipeline_depth("epcomm", 4096, 24) == 4096 / (plan.num_channels(24) * sm.DEEPEP_RDMA_CHUNK)
