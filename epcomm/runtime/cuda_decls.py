@@ -91,6 +91,7 @@ class Header:
     def __init__(self, root: str, path: str):
         self.path = path
         self._root = root
+        self._member_memo: Dict[tuple, int] = {}
         self._raw = (Path(root) / path).read_text()
         code = _strip_comments(self._raw)
         self._includes = [m.group(1) for m in _INCLUDE.finditer(code)]
@@ -159,7 +160,16 @@ class Header:
         return self._eval_name(name, {}, template_args)
 
     def member(self, struct: str, name: str, **template_args: int) -> int:
-        """The value of `struct<template_args...>::name`, a static constexpr integer member."""
+        """The value of `struct<template_args...>::name`, a static constexpr integer member;
+        remembered per template arguments: layouts are read on per-call host paths (parsing the
+        expression costs hundreds of microseconds) and a header does not change under a process."""
+        key = (struct, name, tuple(sorted(template_args.items())))
+        value = self._member_memo.get(key)
+        if value is None:
+            value = self._member_memo[key] = self._member(struct, name, template_args)
+        return value
+
+    def _member(self, struct: str, name: str, template_args: Dict[str, int]) -> int:
         body = self._structs.get(struct)
         if body is None:
             raise self._fail(f"no struct {struct}")

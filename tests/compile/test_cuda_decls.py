@@ -145,3 +145,18 @@ def test_header_offsets_follow_the_cuda_formulas():
     assert intranode_plan.header_bytes(8) == 256 + 16 * 8 * 1024
     # R = 8, M = 2, L = 4, C = 128 channels: 64 + 8 * (2R + M*C + C*R + 2*C*L + 2*M*C), to 256
     assert internode_plan.header_bytes(8, 2) == 22784
+
+
+def test_member_values_are_remembered_per_template_arguments(monkeypatch):
+    """Layouts are read on per-call host paths: a second read must not evaluate the header's
+    formula again (parsing it cost ~400 us per call)."""
+    from epcomm.ops import intranode_plan
+    decls = intranode_plan._DECLS
+    evaluated = []
+    real = decls._member
+    monkeypatch.setattr(decls, "_member", lambda *a: evaluated.append(a) or real(*a))
+    first = intranode_plan.header_bytes(6)
+    for _ in range(5):
+        assert intranode_plan.header_bytes(6) == first
+    assert intranode_plan.header_bytes(7) != first           # other arguments: evaluated on their own
+    assert len(evaluated) <= 2, evaluated
