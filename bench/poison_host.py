@@ -2,7 +2,7 @@
 only, on any machine (no GPU): `python -m bench.poison_host`.
 
 Poison.after runs with a launch that does nothing, so what is timed is what the launch adds before
-the driver: the key of the outputs (data pointer, bytes, dtype of each), the prebuilt Params'
+the driver: the key of the outputs (data pointer, bytes, dtype of each), the prebuilt launch's
 lookup, the stream query and the call. `hit`: the same outputs each call (what a loop of equal
 calls sees: the caching allocator hands out the same blocks); `miss`: new outputs each call, so the
 Params are built again. The driver's cuLaunchKernel comes on top: bench/host_profile.py measures the
@@ -19,13 +19,14 @@ from epcomm.ops import poison as poison_module
 
 
 class _NoLaunch:
-    def launch(self, grid, block, params, stream, smem=0):
-        pass
+    """Kernel.launcher's stand-in: the bound launch does nothing."""
+    def launcher(self, grid, block, params, smem=0):
+        return lambda stream: None
 
 
 def poison_without_driver() -> poison_module.Poison:
     p = object.__new__(poison_module.Poison)
-    p._device_index, p._kernel, p._err, p._params = 0, _NoLaunch(), 0, {}
+    p._device_index, p._kernel, p._err, p._launches = 0, _NoLaunch(), 0, {}
     return p
 
 
