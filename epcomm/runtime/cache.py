@@ -2,8 +2,8 @@
 
 Key = sha256 of: the entry format, the source and every cuda_src/ header it reaches through
 quoted #includes (whatever #if guards them: a superset is safe), so editing a header invalidates
-exactly the families that include it, the build plan (generated unit, name expressions, NVRTC and nvJitLink options with
-every install location replaced by a placeholder, link library names, target arch, feature set,
+exactly the families that include it, the build plan (generated unit, name expressions, NVRTC and
+nvJitLink options with every install location replaced by a placeholder, link library names, target arch, feature set,
 link mode) and the toolchain versions (NVRTC, nvJitLink, NVSHMEM, CUDA runtime and CCCL headers).
 No absolute path enters the key: a cache built in one environment (a container build, another
 venv) serves any other with the same sources and versions.
@@ -35,7 +35,7 @@ from .compiler import BuildPlan, CompiledCubin, KernelSource
 
 _FORMAT = b"EPCOMM-CUBIN-1\n"
 _MEMO: Dict[str, CompiledCubin] = {}
-_SRC_DIGESTS: Dict[Tuple[Path, Optional[str]], str] = {}
+_SRC_DIGESTS: Dict[Tuple[Path, str], str] = {}
 
 
 _INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.M)
@@ -61,22 +61,17 @@ def source_closure(source: str, root: Optional[Path] = None) -> List[Path]:
     return sorted(seen, key=lambda p: p.as_posix())
 
 
-def cuda_src_digest(root: Optional[Path] = None, source: Optional[str] = None) -> str:
-    """Hash of the files a source compiles from (names relative to cuda_src/ and contents), or of
-    every .cu/.cuh under cuda_src/ without a source; computed once per (directory, source) per
-    process: sources do not change under a running process."""
-    root = Path(root or compiler.cuda_src_dir())
+def cuda_src_digest(root: Path, source: str) -> str:
+    """Hash of the files `source` compiles from (names relative to cuda_src/ and contents);
+    computed once per (directory, source) per process: sources do not change under a running
+    process."""
     digest = _SRC_DIGESTS.get((root, source))
     if digest is None:
         h = hashlib.sha256()
-        if source is None:
-            files = sorted(p for p in root.rglob("*") if p.suffix in (".cu", ".cuh") and p.is_file())
-        else:
-            files = source_closure(source, root)
         real_root = root.resolve()
-        for path in files:
+        for path in source_closure(source, root):
             data = path.read_bytes()
-            h.update(f"{path.resolve().relative_to(real_root).as_posix()}\0{len(data)}\0".encode())
+            h.update(f"{path.relative_to(real_root).as_posix()}\0{len(data)}\0".encode())
             h.update(data)
         digest = _SRC_DIGESTS[(root, source)] = h.hexdigest()
     return digest
@@ -143,25 +138,17 @@ def recipes(directory: Path) -> List[Tuple[KernelSource, int, int]]:
     folder = directory / "cubin" if (directory / "cubin").is_dir() else directory
     found = {}
     for path in sorted(folder.glob("*.bin")):
-        header = _read_header(path)
-        r = header.get("recipe") if header else None
+        try:
+            decoded = _decode(path.read_bytes())
+        except OSError:
+            continue
+        r = decoded[0].get("recipe") if decoded else None
         if not r:
             continue
         src = KernelSource(r["source"], tuple(r["kernels"]),
                            tuple((k, v) for k, v in r["defines"]), bool(r["uses_nvshmem"]))
         found.setdefault((src, r["arch_sm"], r["feature"]), None)
     return list(found)
-
-
-def _read_header(path: Path) -> Optional[dict]:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    if not data.startswith(_FORMAT) or hashlib.sha256(data[:-32]).digest() != data[-32:]:
-        return None
-    (header_len,) = struct.unpack_from("<I", data, len(_FORMAT))
-    return json.loads(data[len(_FORMAT) + 4:len(_FORMAT) + 4 + header_len])
 
 
 def _encode(key: str, compiled: CompiledCubin, recipe_: Optional[dict] = None) -> bytes:
@@ -174,16 +161,11 @@ def _encode(key: str, compiled: CompiledCubin, recipe_: Optional[dict] = None) -
     return body + hashlib.sha256(body).digest()
 
 
-def read_entry(path: Path, key: str) -> Optional[CompiledCubin]:
-    """The entry at `path` if it is whole, uncorrupted and for `key`; None otherwise."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
+def _decode(data: bytes) -> Optional[Tuple[dict, bytes]]:
+    """(JSON header, cubin) of a whole, uncorrupted entry; None for a torn or corrupt one."""
     body, checksum = data[:-32], data[-32:]
     if len(data) < len(_FORMAT) + 44 or not body.startswith(_FORMAT) \
             or hashlib.sha256(body).digest() != checksum:
-        compiler.verbose(f"cache entry {path} is torn or corrupt: rebuilding it")
         return None
     pos = len(_FORMAT)
     (header_len,) = struct.unpack_from("<I", body, pos)
@@ -191,7 +173,21 @@ def read_entry(path: Path, key: str) -> Optional[CompiledCubin]:
     pos += 4 + header_len
     (cubin_len,) = struct.unpack_from("<Q", body, pos)
     cubin = body[pos + 8:pos + 8 + cubin_len]
-    if header.get("key") != key or len(cubin) != cubin_len:
+    return (header, cubin) if len(cubin) == cubin_len else None
+
+
+def read_entry(path: Path, key: str) -> Optional[CompiledCubin]:
+    """The entry at `path` if it is whole, uncorrupted and for `key`; None otherwise."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    decoded = _decode(data)
+    if decoded is None:
+        compiler.verbose(f"cache entry {path} is torn or corrupt: rebuilding it")
+        return None
+    header, cubin = decoded
+    if header.get("key") != key:
         return None
     return CompiledCubin(bytes(cubin), dict(header["lowered"]), from_cache=True)
 
