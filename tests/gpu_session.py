@@ -83,12 +83,12 @@ class Layout:
                "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(master_port), "EPCOMM_TEST_RANKS_PER_GPU": str(self.ranks_per_gpu),
                "EPCOMM_BACKEND": "gpu", "EPCOMM_TEST_REPORT_AT_ONCE": "1"}
-        if self.shared and self.sm_partition:
-            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.thread_percentage)
+        if self.shared:
             env["EPCOMM_TEST_SHARED_GPU"] = "1"
-        elif self.shared:
-            env["EPCOMM_TEST_MPS_UNPARTITIONED"] = "1"
-            env["EPCOMM_TEST_SHARED_GPU"] = "1"
+            if self.sm_partition:
+                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.thread_percentage)
+            else:
+                env["EPCOMM_TEST_MPS_UNPARTITIONED"] = "1"
         if self.jobs > 1:
             env["EPCOMM_TEST_SPLIT"] = f"{job}/{self.jobs}"
         return env
