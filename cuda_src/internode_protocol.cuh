@@ -159,7 +159,7 @@ __device__ __forceinline__ Call begin_call(char **peers, const Params &p) {
     const unsigned long long epoch = begin_epoch<kRanks>(peers, p.peer_bases, p.rank, H::kEpoch);
     char *base = peers[p.rank];
     auto *failed = reinterpret_cast<unsigned int *>(base + H::kFailed);
-    return Call{base, epoch, Guard::make(failed, p.err, p.timeout_ns, p.op, p.rank), p.rank, p.rank / kLocal,
+    return Call{base, epoch, Guard::make(failed, p.err, p.timeout_ns, p.op, p.rank, p.peer_bases, kRanks), p.rank, p.rank / kLocal,
                 p.rank % kLocal};
 }
 
@@ -241,7 +241,7 @@ __device__ __forceinline__ void kernel_finish(const Call &c) {
     if (atomicAdd(ticket, 1u) != gridDim.x - 1) return;
     fence_acq_rel_sys();
     *ticket = 0;
-    if (*reinterpret_cast<volatile unsigned int *>(base + H::kViolated) != 0u) c.guard.raise_flag();
+    if (*reinterpret_cast<volatile unsigned int *>(base + H::kViolated) != 0u) c.guard.raise_flag(-1, true);   // the record names the peer
     *reinterpret_cast<volatile unsigned long long *>(base + H::kEpoch) = epoch;
     for (int r = 0; r < kRanks; ++r)
         if (r != rank) put_word(base, nullptr, H::kDone + 8LL * rank, epoch, r);
@@ -267,7 +267,7 @@ struct Spinner {
         if (++rounds % kPollsPerCheck != 0) return true;
         int stop = 0;
         if (lane_id() == 0) {
-            stop = guard.failed();
+            stop = guard.failed(phase);
             if (!stop && guard.past_deadline()) {
                 guard.timeout(peer, phase);
                 stop = 1;

@@ -17,7 +17,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
     const int warp = warp_id(), lane = lane_id(), num_warps = kNotifyThreads / 32;
     if (threadIdx.x == 0) failed = 0;
     const unsigned long long epoch = begin_epoch<kRanks>(peers, p.peer_bases, p.rank, Header<kRanks>::kEpoch);
-    const Guard ctx = make_guard(peers[p.rank], p.err, p.timeout_ns, p.op, p.rank);
+    const Guard ctx = make_guard<kRanks>(peers[p.rank], p);
     trace_set(p.trace, kTrStart, trace_now());
     const int n = p.num_tokens, num_chunks = p.num_chunks, tpc = p.tokens_per_chunk, stride = num_chunks + 1;
     const int num_le = p.num_local_experts;

@@ -147,11 +147,12 @@ __device__ __forceinline__ unsigned int atomic_add_acq_rel_cta(unsigned int *sha
     return old;
 }
 // Failure handling of the intranode kernels: epcomm::Guard (common/timeout.cuh) with its sticky
-// flag in this rank's own NVL header.
-__device__ __forceinline__ Guard make_guard(const char *local_base, ErrorRecord *err, unsigned long long timeout_ns,
-                                            int op, int rank) {
-    return Guard::make(reinterpret_cast<unsigned int *>(const_cast<char *>(local_base) + Header<1>::kFailed), err,
-                       timeout_ns, op, rank);
+// flag in each rank's own NVL header (every peer is mapped: a failure is told with stores).
+// Params: any intranode Params (peer_bases, err, timeout_ns, op, rank).
+template <int kRanks, class Params>
+__device__ __forceinline__ Guard make_guard(const char *local_base, const Params &p) {
+    return Guard::make(reinterpret_cast<unsigned int *>(const_cast<char *>(local_base) + Header<1>::kFailed), p.err,
+                       p.timeout_ns, p.op, p.rank, p.peer_bases, kRanks);
 }
 
 template <int kRanks> __device__ __forceinline__ int *ready_ptr(char *base, int peer, int chunk) {
@@ -291,7 +292,7 @@ template <int kRanks, class Params>
 __device__ __forceinline__ KernelStart data_kernel_begin(BlockShared<kRanks> &sh, const Params &p) {
     sh.zero();   // begin_epoch's __syncthreads orders this before any use
     const unsigned long long epoch = begin_epoch<kRanks>(sh.peers, p.peer_bases, p.rank, Header<kRanks>::kEpoch);
-    const KernelStart start{epoch, make_guard(sh.peers[p.rank], p.err, p.timeout_ns, p.op, p.rank)};
+    const KernelStart start{epoch, make_guard<kRanks>(sh.peers[p.rank], p)};
     trace_set(p.trace, kTrStart, trace_now());
     return start;
 }

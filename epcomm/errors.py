@@ -22,12 +22,21 @@ class NvshmemError(EpcommError):
 
 
 class PeerTimeout(EpcommError):
-    """A wait on another rank ran past EPCOMM_TIMEOUT_S (GPU kernel or CPU backend exchange)."""
+    """A wait on another rank ran past EPCOMM_TIMEOUT_S (GPU kernel or CPU backend exchange).
+    `peer` is the rank that was waited for. `reported_by` (GPU; None otherwise): this rank's own
+    waits had not run out; that rank timed out waiting for `peer` in the same call and told this
+    rank, which stopped at once instead of waiting out its own deadline."""
 
-    def __init__(self, op: str, rank: int, peer: int, phase: str, timeout_s: float):
+    def __init__(self, op: str, rank: int, peer: int, phase: str, timeout_s: float,
+                 reported_by: "int | None" = None):
         self.op, self.rank, self.peer, self.phase, self.timeout_s = op, rank, peer, phase, timeout_s
-        super().__init__(f"{op}: rank {rank} timed out after {timeout_s:g} s waiting for peer {peer} "
-                         f"({phase})")
+        self.reported_by = reported_by
+        if reported_by is not None:
+            text = (f"{op}: rank {rank} stopped ({phase}): rank {reported_by} timed out after "
+                    f"{timeout_s:g} s in this call waiting for peer {peer}")
+        else:
+            text = f"{op}: rank {rank} timed out after {timeout_s:g} s waiting for peer {peer} ({phase})"
+        super().__init__(text)
 
 
 class PeerFailed(EpcommError):

@@ -3,23 +3,34 @@
 // host raises epcomm.errors.PeerTimeout. Nothing here traps, so the CUDA context survives.
 #pragma once
 #include "ptx.cuh"
+#if defined(EPCOMM_NVSHMEM_INLINE) || defined(EPCOMM_NVSHMEM_LIB)
+#include "nvshmem.cuh"   // a failure is told to peers not mapped here with a put
+#endif
 
 namespace epcomm {
 
-// Mirrored by epcomm.runtime.status.ErrorRecord (ctypes); keep both 32 bytes.
+// Read by epcomm.runtime.status (cuda_decls) as its ctypes ErrorRecord; 32 bytes.
 struct ErrorRecord {
     int code;   // ErrorCode below
     int op;     // epcomm.runtime.status.register_op id (a runtime Params field, not a template arg)
     int rank;   // the rank that waited
     int peer;   // the rank it waited for (-1 = unknown / local)
-    int phase;  // op-specific phase number (named in Python next to the op)
-    int reserved[3];
+    int phase;  // op-specific phase number (named in Python next to the op); -1: not in a wait
+    int reporter;   // kPeerReported*: the rank that failed first and told this one (-1 otherwise);
+                    // `peer` is then whom that rank waited for, or whose data broke the rule there
+    int reserved[2];
 };
 static_assert(sizeof(ErrorRecord) == 32, "ErrorRecord layout is mirrored in Python");
 
-// kDeviceCheckFailed: a size / configuration violation that only the GPU can see (e.g. more rows
-// than num_worst_tokens); epcomm.errors.DeviceCheckFailed on the host.
-enum ErrorCode : int { kOk = 0, kPeerTimeout = 1, kDeviceCheckFailed = 2 };
+// Read by epcomm.runtime.status (cuda_decls); each code is one exception class on the host.
+enum ErrorCode : int {
+    kOk = 0,
+    kPeerTimeout = 1,             // a wait of this rank ran out: PeerTimeout
+    kDeviceCheckFailed = 2,       // a size / configuration violation only the GPU can see (more rows
+                                  // than num_worst_tokens...): DeviceCheckFailed
+    kPeerReportedTimeout = 3,     // `peer` timed out in this call and told this rank: PeerTimeout
+    kPeerReportedViolation = 4,   // `peer` found a violation and told this rank: PeerFailed
+};
 
 // The one spin loop of every bounded wait: polls ready() until it holds (true) or, checked once
 // every kPollsPerCheck polls (reading %globaltimer or a flag costs more than a poll), until
@@ -45,12 +56,13 @@ struct WaitContext {
     }
 
     // First failure wins: elect by code, then the details.
-    __device__ __noinline__ void record(int peer, int phase, int code = kPeerTimeout) const {
+    __device__ __noinline__ void record(int peer, int phase, int code = kPeerTimeout, int reporter = -1) const {
         if (atomicCAS(&err->code, kOk, code) == kOk) {
             err->op = op;
             err->rank = rank;
             err->peer = peer;
             err->phase = phase;
+            err->reporter = reporter;
             __threadfence_system();
         }
     }
@@ -59,39 +71,88 @@ struct WaitContext {
 // WaitContext plus a sticky failure flag in device memory, for kernels whose waits are many and
 // hot: the host-mapped ErrorRecord is written once on failure (what the host raises from), and
 // waits poll the flag instead. Why not poll the record: it is host memory, read over PCIe, and
-// such reads serialise GPU-wide (~1 us each). A
-// failure makes the Buffer unusable (StatusRecord.check) until Buffer.recover zeroes the whole
-// buffer, flag included, as a new Buffer starts. The flag is per rank: kernels of later calls
-// see it and wind down at once.
+// such reads serialise GPU-wide (~1 us each). A failure makes the Buffer unusable
+// (StatusRecord.check) until Buffer.recover zeroes the whole buffer, flag included, as a new
+// Buffer starts. The flag is per rank: kernels of later calls see it and wind down at once.
+//
+// The first failure of a rank is also written into every peer's flag, as a report word naming
+// this rank and the peer it waited for (or whose data broke a rule): a peer whose own waits were
+// all satisfied so far (its dispatch completed, its combine now waits for ranks that wound down)
+// stops at its next poll instead of waiting out its own deadline, and records the report. So every
+// rank of a failed call raises within one timeout of its start, naming the same culprit. The flag
+// sits at the same offset of every rank's buffer: a peer mapped here (peer_bases[r] != 0, NVLink)
+// gets a store, any other an NVSHMEM put of that word.
+constexpr unsigned int kFlagLocal = 1u;                  // this rank failed; its record says why
+constexpr unsigned int kReport = 1u << 31, kReportViolation = 1u << 30;
+constexpr int kReportRankBits = 15;                      // reporter and culprit: ranks < 32767
+constexpr unsigned int kReportNoPeer = (1u << kReportRankBits) - 1u;
+
+__device__ __forceinline__ unsigned int report_word(int reporter, int culprit, bool violation) {
+    return kReport | (violation ? kReportViolation : 0u) | (static_cast<unsigned int>(reporter) << kReportRankBits) |
+           (culprit < 0 ? kReportNoPeer : static_cast<unsigned int>(culprit));
+}
+
 struct Guard {
     WaitContext ctx;
-    unsigned int *flag;   // device memory of this rank
+    unsigned int *flag;             // device memory of this rank, inside the buffer at peer_bases[rank]
+    const long long *peer_bases;    // [num_ranks] the ranks' buffers as mapped here (0: not mapped)
+    int num_ranks;
 
     __device__ __forceinline__ static Guard make(unsigned int *flag, ErrorRecord *err, unsigned long long timeout_ns,
-                                                 int op, int rank) {
-        return Guard{WaitContext::make(err, timeout_ns, op, rank), flag};
+                                                 int op, int rank, const long long *peer_bases, int num_ranks) {
+        return Guard{WaitContext::make(err, timeout_ns, op, rank), flag, peer_bases, num_ranks};
     }
-    __device__ __forceinline__ bool failed() const { return *static_cast<volatile unsigned int *>(flag) != 0; }
-    __device__ __forceinline__ void raise_flag() const {
-        *static_cast<volatile unsigned int *>(flag) = 1u;
-        __threadfence();
+    // True once this rank or a peer failed; a peer's report is recorded here (first failure wins,
+    // so a rank's own earlier failure stays what it raises). `phase`: the wait this rank was in.
+    __device__ __forceinline__ bool failed(int phase = -1) const {
+        const unsigned int v = *static_cast<volatile unsigned int *>(flag);
+        if (v & kReport) adopt(v, phase);
+        return v != 0u;
+    }
+    __device__ __noinline__ void adopt(unsigned int v, int phase) const {
+        const unsigned int mask = kReportNoPeer, culprit = v & mask;
+        ctx.record(culprit == kReportNoPeer ? -1 : static_cast<int>(culprit), phase,
+                   (v & kReportViolation) ? kPeerReportedViolation : kPeerReportedTimeout,
+                   static_cast<int>((v >> kReportRankBits) & mask));
+    }
+    // This rank failed (its record is written): stop its kernels and, the first time, its peers'.
+    __device__ __noinline__ void raise_flag(int culprit, bool violation) const {
+        const unsigned int before = atomicExch(flag, kFlagLocal);
+        __threadfence_system();
+        if (before == 0u) tell_peers(report_word(ctx.rank, culprit, violation));
+    }
+    __device__ __noinline__ void tell_peers(unsigned int word) const {
+        const long long own = peer_bases[ctx.rank];
+        const long long offset = reinterpret_cast<long long>(flag) - own;
+        for (int r = 0; r < num_ranks; ++r) {
+            if (r == ctx.rank) continue;
+            const long long peer = own != 0 ? peer_bases[r] : 0;
+            if (peer != 0) {
+                *reinterpret_cast<volatile unsigned int *>(peer + offset) = word;
+            } else {
+#if defined(EPCOMM_NVSHMEM_INLINE) || defined(EPCOMM_NVSHMEM_LIB)
+                nvshmem_uint32_p(flag, word, r);   // the flag's symmetric address names it on PE r
+#endif
+            }
+        }
+        __threadfence_system();
     }
     // A peer did not answer in time: ErrorRecord code kPeerTimeout (PeerTimeout on the host).
     __device__ __noinline__ void timeout(int peer, int phase) const {
         ctx.record(peer, phase);
-        raise_flag();
+        raise_flag(peer, false);
     }
     // A size/config violation only the GPU can see: ErrorRecord code kDeviceCheckFailed.
     __device__ __noinline__ void violation(int peer, int phase) const {
         ctx.record(peer, phase, kDeviceCheckFailed);
-        raise_flag();
+        raise_flag(peer, true);
     }
     __device__ __forceinline__ bool past_deadline() const { return globaltimer_ns() > ctx.deadline_ns; }
-    // Spin until ready(); every kPollsPerCheck polls check the local flag and the deadline.
+    // Spin until ready(); every kPollsPerCheck polls check the flag and the deadline.
     template <class Ready>
     __device__ __forceinline__ bool wait(int peer, int phase, Ready ready) const {
         return spin_until(ready, [&] {
-            if (failed()) return true;
+            if (failed(phase)) return true;
             if (!past_deadline()) return false;
             timeout(peer, phase);
             return true;

@@ -23,7 +23,8 @@ import time
 from typing import Callable, Dict, List, Optional
 
 from .. import env
-from ..errors import BufferUnusable, DeviceCheckFailed, EpcommError, PeerTimeout
+from ..errors import BufferUnusable, DeviceCheckFailed, EpcommError, PeerFailed, PeerTimeout
+from . import cuda_decls
 
 # ---- op registry --------------------------------------------------------------------------------
 _UNKNOWN_OP = "unknown op"
@@ -57,19 +58,21 @@ def op_name(op: int) -> str:
 
 def phase_name(op: int, phase: int) -> str:
     phases = _OP_PHASES.get(op_name(op), [])
-    return phases[phase] if 0 <= phase < len(phases) else f"phase {phase}"
+    if phase < 0:
+        return "between waits"   # a peer's failure seen by a check that is not a wait
+    return phases[phase] if phase < len(phases) else f"phase {phase}"
 
 
 # ---- ErrorRecord ----------------------------------------------------------------------------------
-class ErrorRecord(ctypes.Structure):
-    """Mirror of epcomm::ErrorRecord (cuda_src/common/timeout.cuh)."""
-    _fields_ = [("code", ctypes.c_int), ("op", ctypes.c_int), ("rank", ctypes.c_int),
-                ("peer", ctypes.c_int), ("phase", ctypes.c_int), ("reserved", ctypes.c_int * 3)]
-
-
+_CODES = cuda_decls.header("common/timeout.cuh")
+ErrorRecord = _CODES.struct("ErrorRecord")   # epcomm::ErrorRecord, read from the header
 assert ctypes.sizeof(ErrorRecord) == 32, "ErrorRecord must match timeout.cuh (32 bytes)"
 
-CODE_OK, CODE_PEER_TIMEOUT, CODE_DEVICE_CHECK_FAILED = 0, 1, 2   # timeout.cuh's ErrorCode
+CODE_OK = _CODES.constant("kOk")
+CODE_PEER_TIMEOUT = _CODES.constant("kPeerTimeout")
+CODE_DEVICE_CHECK_FAILED = _CODES.constant("kDeviceCheckFailed")
+CODE_PEER_REPORTED_TIMEOUT = _CODES.constant("kPeerReportedTimeout")
+CODE_PEER_REPORTED_VIOLATION = _CODES.constant("kPeerReportedViolation")
 # reset() fills the detail fields with this; no real op/rank/peer/phase takes it. The kernel sets
 # `code` (the atomic that elects the first failure) before the details, so check() waits until the
 # details are written, instead of reporting a half-written record.
@@ -84,15 +87,22 @@ def error_from_record(record: ErrorRecord, timeout_s: float) -> Optional[EpcommE
     if record.code == CODE_DEVICE_CHECK_FAILED:
         return DeviceCheckFailed(op_name(record.op), record.rank, record.peer,
                                  phase_name(record.op, record.phase))
-    if record.code != CODE_PEER_TIMEOUT:
-        return EpcommError(f"GPU error record holds unknown code {record.code} "
-                           f"(op {op_name(record.op)}, rank {record.rank}, peer {record.peer})")
-    return PeerTimeout(op_name(record.op), record.rank, record.peer,
-                       phase_name(record.op, record.phase), timeout_s)
+    op, phase = op_name(record.op), phase_name(record.op, record.phase)
+    if record.code == CODE_PEER_TIMEOUT:
+        return PeerTimeout(op, record.rank, record.peer, phase, timeout_s)
+    if record.code == CODE_PEER_REPORTED_TIMEOUT:
+        return PeerTimeout(op, record.rank, record.peer, phase, timeout_s, reported_by=record.reporter)
+    if record.code == CODE_PEER_REPORTED_VIOLATION:
+        culprit = f"the data of rank {record.peer}" if record.peer >= 0 else "its data"
+        return PeerFailed(op, record.rank, record.reporter,
+                          f"a device-side check of {culprit} failed there (its DeviceCheckFailed "
+                          f"names the rule; this rank stopped {phase})")
+    return EpcommError(f"GPU error record holds unknown code {record.code} "
+                       f"(op {op}, rank {record.rank}, peer {record.peer})")
 
 
 def _details_written(record: ErrorRecord) -> bool:
-    return _UNSET not in (record.op, record.rank, record.peer, record.phase)
+    return _UNSET not in (record.op, record.rank, record.peer, record.phase, record.reporter)
 
 
 # ---- CUDA driver calls for mapped pinned memory --------------------------------------------------
@@ -156,7 +166,7 @@ class StatusRecord:
     def reset(self) -> None:
         """Clear the record and the remembered failure. Only while no kernel using it runs."""
         record = self._live_record("reset")
-        record.op = record.rank = record.peer = record.phase = _UNSET
+        record.op = record.rank = record.peer = record.phase = record.reporter = _UNSET
         record.code = CODE_OK
         self.error = None
 

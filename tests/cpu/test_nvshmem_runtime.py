@@ -137,7 +137,7 @@ def _kernel_records(address, op, rank, peer, phase):
     # The order WaitContext::record uses: elect with code, then the details.
     record = status.ErrorRecord.from_address(address)
     record.code = status.CODE_PEER_TIMEOUT
-    record.op, record.rank, record.peer, record.phase = op, rank, peer, phase
+    record.op, record.rank, record.peer, record.phase, record.reporter = op, rank, peer, phase, -1
 
 
 def test_status_record_raises_peer_timeout_once_then_unusable(host_record):
@@ -184,6 +184,42 @@ def test_device_check_code_names_op_rank_peer_and_phase():
     err = status.error_from_record(record, 1.0)
     assert isinstance(err, DeviceCheckFailed) and not isinstance(err, PeerTimeout)
     assert (err.op, err.rank, err.peer, err.phase) == ("test_device_check_op", 1, 0, "ring too small")
+
+
+def test_reported_timeout_names_the_culprit_and_the_reporter():
+    """A rank told by rank 5 that 5 timed out waiting for rank 7 raises PeerTimeout naming 7 (the
+    rank everyone waited for) and 5 (who told it); a check outside any wait has no phase."""
+    op = status.register_op("test_reported_op", ["wait counts"])
+    record = status.ErrorRecord(code=status.CODE_PEER_REPORTED_TIMEOUT, op=op, rank=2, peer=7, phase=-1,
+                                reporter=5)
+    err = status.error_from_record(record, 3.0)
+    assert isinstance(err, PeerTimeout) and (err.rank, err.peer, err.reported_by) == (2, 7, 5)
+    assert err.phase == "between waits" and "rank 5 timed out" in str(err) and "peer 7" in str(err)
+    record.phase = 0
+    assert status.error_from_record(record, 3.0).phase == "wait counts"
+    own = status.ErrorRecord(code=status.CODE_PEER_TIMEOUT, op=op, rank=2, peer=7, phase=0, reporter=-1)
+    assert status.error_from_record(own, 3.0).reported_by is None
+
+
+def test_reported_violation_is_peer_failed_naming_the_reporter():
+    from epcomm.errors import PeerFailed
+    op = status.register_op("test_reported_violation_op", ["counts"])
+    record = status.ErrorRecord(code=status.CODE_PEER_REPORTED_VIOLATION, op=op, rank=0, peer=3, phase=0,
+                                reporter=1)
+    err = status.error_from_record(record, 3.0)
+    assert isinstance(err, PeerFailed) and not isinstance(err, PeerTimeout)
+    assert (err.rank, err.peer) == (0, 1) and "data of rank 3" in str(err)
+
+
+def test_error_codes_are_the_kernels():
+    """The host's codes are read from timeout.cuh, not restated: a renumbering there moves them."""
+    from epcomm.runtime import cuda_decls
+    decl = cuda_decls.header("common/timeout.cuh")
+    assert [e.name for e in decl.enum("ErrorCode")] == ["kOk", "kPeerTimeout", "kDeviceCheckFailed",
+                                                        "kPeerReportedTimeout", "kPeerReportedViolation"]
+    assert (status.CODE_PEER_REPORTED_TIMEOUT, status.CODE_PEER_REPORTED_VIOLATION) == (3, 4)
+    assert [name for name, _ in status.ErrorRecord._fields_][:6] == ["code", "op", "rank", "peer", "phase",
+                                                                      "reporter"]
 
 
 # ---- host layout --------------------------------------------------------------------------------
