@@ -18,7 +18,7 @@ import torch
 from .. import env
 from ..runtime.compiler import KernelSource
 from ._common import FP8_BLOCK, INDEX_TYPES, UE8M0_PER_INT
-from . import internode, internode_plan, intranode, intranode_plan, layout, low_latency
+from . import internode, internode_plan, intranode, intranode_plan, layout, low_latency, poison
 
 MODES = ("normal", "low_latency")
 DTYPES = ("bf16", "fp8")
@@ -103,8 +103,9 @@ def load_shapes(path) -> List[ModelShapes]:
 
 
 def kernel_sources(shapes: ModelShapes) -> List[KernelSource]:
-    """Every kernel source the calls of `shapes` build, in call order, without duplicates."""
-    out: List[KernelSource] = []
+    """Every kernel source the calls of `shapes` build, in call order, without duplicates: the
+    poison fill first (every Buffer of the GPU backend queues it behind each call)."""
+    out: List[KernelSource] = [poison.poison_source()]
     if "normal" in shapes.modes:
         out += _normal_sources(shapes)
     if "low_latency" in shapes.modes:

@@ -22,26 +22,26 @@ def _files(sources):
 
 def test_normal_mode_intranode_and_internode():
     intra = kernel_sources(ModelShapes(**SMALL, modes=("normal",)))
-    # layout, notify, fresh + cached dispatch, combine
-    assert _files(intra) == ["layout.cu"] + ["intranode.cu"] * 4
+    # the poison fill every call queues, layout, notify, fresh + cached dispatch, combine
+    assert _files(intra) == ["poison.cu", "layout.cu"] + ["intranode.cu"] * 4
     inter = kernel_sources(ModelShapes(**dict(SMALL, num_ranks=4, num_experts=8), num_local_ranks=2,
                                        modes=("normal",), dtypes=("bf16", "fp8")))
-    assert _files(inter) == ["layout.cu"] + ["internode.cu"] * 6    # + FP8 fresh and cached dispatch
-    assert all(src.uses_nvshmem for src in inter[1:])
+    assert _files(inter) == ["poison.cu", "layout.cu"] + ["internode.cu"] * 6   # + FP8 fresh and cached
+    assert all(src.uses_nvshmem for src in inter[2:])
     assert len(set(inter)) == len(inter)
 
 
 def test_low_latency_variants_and_dedup():
     base = dict(SMALL, num_max_dispatch_tokens_per_rank=32, modes=("low_latency",))
     bf16 = kernel_sources(ModelShapes(**base))
-    assert _files(bf16) == ["low_latency.cu"] * 2          # dispatch, combine
+    assert _files(bf16) == ["poison.cu"] + ["low_latency.cu"] * 2          # dispatch, combine
     fp8 = kernel_sources(ModelShapes(**dict(base, hidden=512), dtypes=("fp8",),
                                      ll_scales=("float", "pow2", "ue8m0")))
-    assert len(fp8) == 4 and len({src.kernels for src in fp8}) == 4
+    assert len(fp8) == 5 and len({src.kernels for src in fp8}) == 5
     both = kernel_sources(ModelShapes(**base, dtypes=("bf16", "fp8", "fp8")))
-    assert len(both) == 3                                  # repeated dtypes build once
+    assert len(both) == 4                                  # repeated dtypes build once
     everything = kernel_sources(ModelShapes(**dict(base, modes=("normal", "low_latency"))))
-    assert set(bf16) < set(everything) and len(everything) == 5 + 2
+    assert set(bf16) < set(everything) and len(everything) == 1 + 5 + 2   # poison, layout + 4 intranode, 2 low-latency
 
 
 @pytest.mark.parametrize("bad, match", [

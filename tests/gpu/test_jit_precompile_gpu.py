@@ -68,7 +68,7 @@ def test_normal_mode_calls_hit_the_precompiled_cache(dist_env, monkeypatch):
 
     def calls():
         _warm(monkeypatch, device, shapes)
-        x, topk_idx, weights = _routing(shapes, max_tokens - dist_env.rank, device, 11 + dist_env.rank)
+        x, topk_idx, weights = _routing(shapes, 64 + dist_env.rank, device, 11 + dist_env.rank)
         per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, shapes.num_experts)
         for fp8 in (False, True):
             payload = x

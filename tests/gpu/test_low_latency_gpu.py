@@ -600,12 +600,14 @@ def test_hook_overlap(dist_env):
 HOLD_SRC = r"""
 #include "common/ptx.cuh"
 namespace epcomm {
-struct HoldParams { const unsigned int *release; unsigned int *released; unsigned long long max_ns; };
+struct HoldParams { const unsigned int *release; unsigned int *released; unsigned int *started; unsigned long long max_ns; };
 // Launched with all the dynamic shared memory a block may have: one block per SM and nothing else
-// beside it. Holds its SM until *release != 0 (counting itself in *released) or max_ns passed.
+// beside it. Counts itself in *started, then holds its SM until *release != 0 (counting itself in
+// *released) or max_ns passed.
 __global__ void hold_sms(const __grid_constant__ HoldParams p) {
     extern __shared__ unsigned int hold_smem[];
     if (threadIdx.x == 0) {
+        atomicAdd(p.started, 1u);
         const unsigned long long start = globaltimer_ns();
         unsigned int flag = 0;
         while ((flag = *reinterpret_cast<const volatile unsigned int *>(p.release)) == 0 &&
@@ -622,7 +624,8 @@ HOLD_MAX_S = 15.0   # under EPCOMM_TIMEOUT_S (20 s): a stalled send part shows a
 
 
 class HoldParams(ctypes.Structure):
-    _fields_ = [("release", ctypes.c_void_p), ("released", ctypes.c_void_p), ("max_ns", ctypes.c_uint64)]
+    _fields_ = [("release", ctypes.c_void_p), ("released", ctypes.c_void_p), ("started", ctypes.c_void_p),
+                ("max_ns", ctypes.c_uint64)]
 
 
 @pytest.fixture(scope="module")
@@ -658,16 +661,28 @@ def _while_held(dist_env, holder, free_sms: int, launch, what: str, problems: li
     """Run launch() (it queues kernels on the current stream) while hold_sms holds all SMs but
     `free_sms` from a side stream, on every rank at about the same time. The holder is released by
     a store queued on the current stream after launch()'s kernels, so it reports every block
-    released by the flag only if those kernels finished on `free_sms` SMs alone."""
+    released by the flag only if those kernels finished on `free_sms` SMs alone. Skips (on every
+    rank) when the holder's blocks are not all resident: an MPS partition may give a process fewer
+    SMs than the device properties report, and then no SM would be left free."""
     kernel, smem, side = holder
     dev = dist_env.device
     blocks = torch.cuda.get_device_properties(dev).multi_processor_count - free_sms
-    flags = torch.zeros(2, dtype=torch.int32, device=dev)   # [release, holder blocks released by it]
+    flags = torch.zeros(3, dtype=torch.int32, device=dev)   # [release, blocks released by it, blocks started]
     torch.cuda.synchronize()
     dist_env.barrier()
-    kernel.launch((blocks, 1, 1), (1024, 1, 1), HoldParams(flags.data_ptr(), flags.data_ptr() + 4, int(HOLD_MAX_S * 1e9)),
+    kernel.launch((blocks, 1, 1), (1024, 1, 1),
+                  HoldParams(flags.data_ptr(), flags.data_ptr() + 4, flags.data_ptr() + 8, int(HOLD_MAX_S * 1e9)),
                   side, smem=smem)
-    time.sleep(0.05)     # every holder block is resident (they start in microseconds)
+    deadline = time.monotonic() + 1.0   # resident blocks start in microseconds
+    while int(flags[2].item()) < blocks and time.monotonic() < deadline:   # a copy: no SM needed
+        time.sleep(0.01)
+    started = int(flags[2].item())
+    if not dist_env.all_ok(started == blocks):
+        flags[0].fill_(1)
+        torch.cuda.synchronize()
+        pytest.skip(f"{what}: only {started} of {blocks} holder blocks became resident on some rank "
+                    f"(an MPS partition smaller than the SM count the device reports): no {free_sms} "
+                    f"SMs can be left free")
     start = time.monotonic()
     out = launch()
     flags[0].fill_(1)    # current stream: runs once launch()'s kernels are done
@@ -696,6 +711,17 @@ def test_sends_with_most_sms_held(dist_env, sm_holder, free_sms):
     buf.clean_low_latency_buffer(case.T, case.H, case.E)
     inputs = _gather(_inputs(case, rank, 80 + free_sms))
     x, topk_idx, weights = (t.to(dev) for t in inputs[rank])
+    # The same calls once with every SM free: they compile and load their kernels first. Under lazy
+    # module loading (CUDA's default) a kernel's first launch loads it, which may wait for the
+    # device's running kernels, the holder included: the send part would then never start.
+    (recv_x, scales), count, handle, _, hook = buf.low_latency_dispatch(x, topk_idx, case.T, case.E,
+                                                                         return_recv_hook=True)
+    hook()
+    x_c = _combine_input(case, rank, num_ranks, recv_x, scales, count)
+    buf.low_latency_combine(x_c, topk_idx, weights, handle, return_recv_hook=True)[2]()
+    buf.low_latency_combine(x_c, topk_idx, weights, handle)
+    torch.cuda.synchronize()
+    dist_env.barrier()
     problems = []
     (recv_x, scales), count, handle, _, hook = _while_held(
         dist_env, sm_holder, free_sms,
