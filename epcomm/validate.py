@@ -656,6 +656,14 @@ def _tensor_signature(t):
     return t.shape, t.dtype, t.device, t.is_contiguous()
 
 
+def _tensors_signature(*tensors) -> tuple:
+    """The fields of _tensor_signature for tensors known to be torch tensors, in one flat tuple."""
+    fields: tuple = ()
+    for t in tensors:
+        fields += (t.shape, t.dtype, t.device, t.is_contiguous())
+    return fields
+
+
 def ll_dispatch_signature(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_stats,
                           wait_stats, use_fp8, round_scale, use_ue8m0):
     if (type(x) is not _Tensor or type(topk_idx) is not _Tensor or type(num_max_dispatch_tokens_per_rank) is not int
@@ -665,9 +673,8 @@ def ll_dispatch_signature(x, topk_idx, num_max_dispatch_tokens_per_rank, num_exp
     cumulative, wait = _tensor_signature(cumulative_stats), _tensor_signature(wait_stats)
     if cumulative is False or wait is False:
         return None
-    return (x.shape, x.dtype, x.device, x.is_contiguous(), topk_idx.shape, topk_idx.dtype, topk_idx.device,
-            topk_idx.is_contiguous(), num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
-            cumulative, wait)
+    return _tensors_signature(x, topk_idx) + (num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                                              use_ue8m0, cumulative, wait)
 
 
 def ll_combine_signature(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, wait_stats, owner):
@@ -678,10 +685,8 @@ def ll_combine_signature(x, topk_idx, topk_weights, handle, use_logfmt, zero_cop
     out_signature, wait = _tensor_signature(out), _tensor_signature(wait_stats)
     if out_signature is False or wait is False:
         return None
-    return (x.shape, x.dtype, x.device, x.is_contiguous(), topk_idx.shape, topk_idx.dtype, topk_idx.device,
-            topk_idx.is_contiguous(), topk_weights.shape, topk_weights.dtype, topk_weights.device,
-            topk_weights.is_contiguous(), handle[2], handle[3], handle[4], handle.num_tokens, use_logfmt, zero_copy,
-            out_signature, wait)
+    return _tensors_signature(x, topk_idx, topk_weights) + (handle[2], handle[3], handle[4], handle.num_tokens,
+                                                            use_logfmt, zero_copy, out_signature, wait)
 
 
 def _intranode_handle_sizes(handle, owner):

@@ -680,9 +680,9 @@ def _while_held(dist_env, holder, free_sms: int, launch, what: str, problems: li
     if not dist_env.all_ok(started == blocks):
         flags[0].fill_(1)
         torch.cuda.synchronize()
-        pytest.skip(f"{what}: only {started} of {blocks} holder blocks became resident on some rank "
-                    f"(an MPS partition smaller than the SM count the device reports): no {free_sms} "
-                    f"SMs can be left free")
+        pytest.skip(f"{what}: the {blocks} holder blocks did not all become resident on every rank "
+                    f"(this rank: {started}; an MPS partition smaller than the SM count the device "
+                    f"reports): no {free_sms} SMs can be left free")
     start = time.monotonic()
     out = launch()
     flags[0].fill_(1)    # current stream: runs once launch()'s kernels are done
