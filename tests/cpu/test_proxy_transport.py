@@ -46,7 +46,7 @@ def test_the_ranks_get_the_ucx_over_tcp_settings():
     env = pt.transport_env("/u", {"LD_LIBRARY_PATH": "/a:/b"})
     assert env == {"NVSHMEM_REMOTE_TRANSPORT": "ucx", "NVSHMEM_DISABLE_P2P": "1", "UCX_TLS": "tcp,cuda_copy,self",
                    "UCX_NET_DEVICES": "lo", "LD_LIBRARY_PATH": "/u/lib:/a:/b", "UCX_MODULE_DIR": "/u/lib/ucx",
-                   "EPCOMM_TEST_PROXY_TRANSPORT": "ucx"}
+                   "NVSHMEM_DEBUG": "INFO", "EPCOMM_TEST_PROXY_TRANSPORT": "ucx"}
     assert pt.transport_env("/u", {"UCX_NET_DEVICES": "eth0"})["UCX_NET_DEVICES"] == "eth0"
 
 

@@ -6,7 +6,7 @@ PEs off, so every transfer of the RDMA stage goes through NVSHMEM's CPU proxy an
 on RoCE / EFA clusters that use the proxy transports (IBRC, UCX, libfabric) rather than IBGDA.
 Settings (/work/shared/docs/platform.md, "A proxy remote transport without a NIC"):
   NVSHMEM_REMOTE_TRANSPORT=ucx NVSHMEM_DISABLE_P2P=1 UCX_TLS=tcp,cuda_copy,self UCX_NET_DEVICES=lo
-  LD_LIBRARY_PATH=<ucx>/lib UCX_MODULE_DIR=<ucx>/lib/ucx
+  LD_LIBRARY_PATH=<ucx>/lib UCX_MODULE_DIR=<ucx>/lib/ucx NVSHMEM_DEBUG=INFO
 --ucx: the libucx-cu13 (or -cu12) wheel file, a folder holding it (`pip download libucx-cu13
 --no-deps -d .whl`: /.whl/ is git-ignored, so carry it to the GPU machine), the folder it was
 unpacked into, or a UCX prefix with lib/libucp.so.0; default: the installed `libucx` package. The ranks run tests/gpu/test_internode_proxy_gpu.py (it skips without
@@ -64,14 +64,16 @@ def find_ucx(spec: Optional[str], scratch: str) -> str:
 
 
 def transport_env(ucx: str, environ: Dict[str, str]) -> Dict[str, str]:
-    """The variables the ranks get on top of `environ` (a user's UCX_TLS / UCX_NET_DEVICES win)."""
+    """The variables the ranks get on top of `environ` (a user's UCX_TLS / UCX_NET_DEVICES /
+    NVSHMEM_DEBUG win). NVSHMEM_DEBUG=INFO: a rank that dies in NVSHMEM's start-up of the transport
+    says where in its log."""
     lib = os.path.join(ucx, "lib")
     paths = [lib] + [p for p in environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
     return {"NVSHMEM_REMOTE_TRANSPORT": "ucx", "NVSHMEM_DISABLE_P2P": "1",
             "UCX_TLS": environ.get("UCX_TLS") or "tcp,cuda_copy,self",
             "UCX_NET_DEVICES": environ.get("UCX_NET_DEVICES") or "lo",
             "LD_LIBRARY_PATH": os.pathsep.join(paths), "UCX_MODULE_DIR": os.path.join(lib, "ucx"),
-            GATE: "ucx"}
+            "NVSHMEM_DEBUG": environ.get("NVSHMEM_DEBUG") or "INFO", GATE: "ucx"}
 
 
 def ucx_devices(ucx: str, env: Dict[str, str]) -> Tuple[bool, str]:
