@@ -657,10 +657,10 @@ def _tensor_signature(t):
 
 
 def _tensors_signature(*tensors) -> tuple:
-    """The fields of _tensor_signature for tensors known to be torch tensors, in one flat tuple."""
+    """_tensor_signature of each of `tensors` (known to be torch tensors), in one flat tuple."""
     fields: tuple = ()
     for t in tensors:
-        fields += (t.shape, t.dtype, t.device, t.is_contiguous())
+        fields += _tensor_signature(t)
     return fields
 
 

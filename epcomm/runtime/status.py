@@ -84,10 +84,9 @@ def error_from_record(record: ErrorRecord, timeout_s: float) -> Optional[EpcommE
     """The exception a record describes, or None when it says all is well."""
     if record.code == CODE_OK:
         return None
-    if record.code == CODE_DEVICE_CHECK_FAILED:
-        return DeviceCheckFailed(op_name(record.op), record.rank, record.peer,
-                                 phase_name(record.op, record.phase))
     op, phase = op_name(record.op), phase_name(record.op, record.phase)
+    if record.code == CODE_DEVICE_CHECK_FAILED:
+        return DeviceCheckFailed(op, record.rank, record.peer, phase)
     if record.code == CODE_PEER_TIMEOUT:
         return PeerTimeout(op, record.rank, record.peer, phase, timeout_s)
     if record.code == CODE_PEER_REPORTED_TIMEOUT:
