@@ -102,11 +102,13 @@ struct Guard {
                                                  int op, int rank, const long long *peer_bases, int num_ranks) {
         return Guard{WaitContext::make(err, timeout_ns, op, rank), flag, peer_bases, num_ranks};
     }
-    // True once this rank or a peer failed; a peer's report is recorded here (first failure wins,
-    // so a rank's own earlier failure stays what it raises). `phase`: the wait this rank was in.
+    // True once this rank or a peer failed. A peer's report is taken by one thread (it swaps the
+    // word for kFlagLocal) and recorded by that thread alone: the record is host memory, and every
+    // thread of the next kernel checks the flag. First failure wins, so a rank's own earlier
+    // failure stays what it raises. `phase`: the wait this rank was in.
     __device__ __forceinline__ bool failed(int phase = -1) const {
         const unsigned int v = *static_cast<volatile unsigned int *>(flag);
-        if (v & kReport) adopt(v, phase);
+        if ((v & kReport) && atomicCAS(flag, v, kFlagLocal) == v) adopt(v, phase);
         return v != 0u;
     }
     __device__ __noinline__ void adopt(unsigned int v, int phase) const {
