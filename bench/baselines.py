@@ -107,7 +107,7 @@ def _nccl_a2a(ctx: BenchContext, tokens: int, hidden: int) -> Record:
     rows = slice(ctx.rank * tokens, (ctx.rank + 1) * tokens)
     ok = all(torch.equal(recv[s * tokens:(s + 1) * tokens], rank_input(s)[rows]) for s in range(world))
     ctx.check(ok, "all_to_all_single delivered wrong rows")
-    timing = ctx.time_stats(fn)
+    timing = ctx.time_stats(fn, hide_host=True)
     row_bytes = hidden * 2
     return Record(nccl_a2a_name(tokens, hidden), {"tokens_per_pair": tokens, "H": hidden},
                   us=timing.mean_us, logical_gbps=gbps(world * tokens * row_bytes, timing.mean_us),
@@ -189,7 +189,7 @@ def _torch_moe(ctx: BenchContext, setting: dict) -> List[Record]:
     records = []
     for op, fn in (("dispatch", moe.dispatch), ("combine", lambda: moe.combine(recv_x, state)),
                    ("dispatch+combine", moe.round_trip)):
-        timing = ctx.time_stats(fn)
+        timing = ctx.time_stats(fn, hide_host=True)
         records.append(Record(torch_moe_name(op, **setting), shape, us=timing.mean_us,
                               logical_gbps=gbps(logical, timing.mean_us) if "+" not in op else None,
                               nvlink_gbps=gbps(remote, timing.mean_us) if "+" not in op else None,

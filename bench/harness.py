@@ -65,6 +65,7 @@ def gbps(nbytes: float, us: Optional[float]) -> Optional[float]:
 class Timing:
     """Per-call times of one measurement, in microseconds."""
     times_us: List[float]
+    host_hidden: bool = False   # time_stats(hide_host=True): GPU time, the host's issue time not in it
 
     @property
     def mean_us(self) -> float:
@@ -73,7 +74,7 @@ class Timing:
     def summary(self) -> Dict[str, float]:
         t = self.times_us
         return {"mean_us": statistics.fmean(t), "median_us": statistics.median(t),
-                "min_us": min(t), "max_us": max(t), "iters": len(t)}
+                "min_us": min(t), "max_us": max(t), "iters": len(t), "host_hidden": self.host_hidden}
 
 
 _FLUSH_BUFFERS: Dict[int, torch.Tensor] = {}
@@ -94,12 +95,20 @@ def _default_device() -> torch.device:
         else torch.device("cpu")
 
 
+# GPU clock cycles of the lead that time_stats(hide_host=True) queues before a call's start event
+# (~0.5 ms at H100 / H200 clocks): longer than any call's host issue time.
+HOST_LEAD_CYCLES = 1 << 20
+
+
 def time_stats(fn: Callable[[], object], warmup: int = 5, iters: int = 20, flush_l2: bool = True,
                sync: Optional[Callable[[], None]] = None,
-               device: Optional[torch.device] = None) -> Timing:
+               device: Optional[torch.device] = None, hide_host: bool = False) -> Timing:
     """Time `fn` per call. On a GPU: CUDA events around each call on the current stream, an L2 flush
-    and `sync` (e.g. a cross-rank alignment) before each call, both excluded. On the CPU: the host
-    clock around each call (no flush)."""
+    and `sync` (e.g. a cross-rank alignment) before each call, both excluded. hide_host: the GPU
+    also spins HOST_LEAD_CYCLES before the start event, so the host has queued the call's launches
+    by the time the events start: the figure is the call's GPU time even where the kernels are
+    shorter than the host's issue time (without it, such a call measures the host's pace). On the
+    CPU: the host clock around each call (no flush)."""
     device = torch.device(device) if device is not None else _default_device()
     for _ in range(warmup):
         fn()
@@ -121,11 +130,13 @@ def time_stats(fn: Callable[[], object], warmup: int = 5, iters: int = 20, flush
             flush.fill_(i)
         if sync is not None:
             sync()
+        if hide_host:
+            torch.cuda._sleep(HOST_LEAD_CYCLES)
         starts[i].record()
         fn()
         ends[i].record()
     torch.cuda.synchronize(device)
-    return Timing([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)])
+    return Timing([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)], hide_host)
 
 
 def pipelined_stats(fn: Callable[[], object], warmup: int = 5, iters: int = 20,
@@ -401,12 +412,13 @@ class BenchContext:
 
     # ---- timing ------------------------------------------------------------------------------
     def time_stats(self, fn: Callable[[], object], warmup: Optional[int] = None,
-                   iters: Optional[int] = None, flush_l2: bool = True, align: bool = True) -> Timing:
+                   iters: Optional[int] = None, flush_l2: bool = True, align: bool = True,
+                   hide_host: bool = False) -> Timing:
         """time_stats with this context's defaults; `align` lines the ranks up before each call
         (leave it on for collective calls)."""
         return time_stats(fn, self.warmup if warmup is None else warmup,
                           self.iters if iters is None else iters, flush_l2,
-                          self.align if align else None, self.device)
+                          self.align if align else None, self.device, hide_host)
 
     def pipelined_stats(self, fn: Callable[[], object]) -> Timing:
         """pipelined_stats with this context's defaults, the ranks aligned once before the loop."""

@@ -122,7 +122,7 @@ def run_normal(ctx: BenchContext, buffer, name: Callable[..., str], N: int, H: i
     records = []
     for op in ops:
         fn, fp8 = calls[op]
-        timing = ctx.time_stats(attempts.wrap(fn))
+        timing = ctx.time_stats(attempts.wrap(fn), hide_host=True)
         attempts.check(ctx, f"{name(op, N, H, K, E, sms)}: timed calls")
         us = timing.mean_us
         goal = (goals or {}).get(op)
