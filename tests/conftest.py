@@ -7,6 +7,7 @@ skip with the reason printed (`-rs`).
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import sys
@@ -18,6 +19,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+# tests.gpu_session asks a rank it is about to kill for every thread's stack (SIGUSR1, written to
+# the file it names: pytest captures stderr). The file object must outlive the registration.
+_STACKS_FILE = None
+if os.environ.get("EPCOMM_TEST_STACKS_FILE"):
+    import signal
+    _STACKS_FILE = open(os.environ["EPCOMM_TEST_STACKS_FILE"], "a")
+    faulthandler.register(signal.SIGUSR1, file=_STACKS_FILE, all_threads=True)
 
 
 # ---------------------------------------------------------------------------------------------

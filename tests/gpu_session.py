@@ -206,12 +206,35 @@ def launch(layout: Layout, pytest_args: List[str], log_dir: str, extra_env: Dict
         if not layout.sm_partition:
             env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)   # nor one inherited from the caller
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else ROOT
+        env[STACKS_ENV] = os.path.join(log_dir, f"rank{rank}.stacks")
         log = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
         cmd = [sys.executable, "-m", "pytest", *pytest_args]
         # Rank 0 also writes to the terminal through tee-like forwarding in wait_all.
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True), log))
     return procs
+
+
+# A rank still running when it is to be killed first writes every thread's Python stack into
+# rank<N>.stacks beside its log (faulthandler, registered by tests/conftest.py on SIGUSR1 for the
+# file STACKS_ENV names; pytest captures the rank's stderr), so a killed run says where each rank
+# was: report() names the test file line it was stuck in.
+STACKS_SIGNAL = signal.SIGUSR1
+STACKS_ENV = "EPCOMM_TEST_STACKS_FILE"
+STACKS_WAIT_S = 2.0
+
+
+def dump_stacks(procs) -> bool:
+    """Ask every running rank of `procs` for its stacks; True when one was asked."""
+    asked = False
+    for proc, _ in procs:
+        if proc.poll() is None:
+            try:
+                os.kill(proc.pid, STACKS_SIGNAL)
+                asked = True
+            except ProcessLookupError:
+                pass
+    return asked
 
 
 def kill_all(procs) -> None:
@@ -251,11 +274,15 @@ def wait_all(jobs, echo_log: str, timeout: float) -> List[List[Optional[int]]]:
                     if j in failed_at and time.monotonic() - failed_at[j] > 120:
                         print(f"\ngpu_session: a rank of job {j} exited with failure 120 s ago and "
                               f"others still run; killing them", flush=True)
+                        if dump_stacks(procs):
+                            time.sleep(STACKS_WAIT_S)
                         kill_all(procs)
             if not running:
                 break
             if time.monotonic() > deadline:
                 print(f"\ngpu_session: timed out after {timeout:.0f} s; killing every rank", flush=True)
+                if any([dump_stacks(procs) for procs in jobs]):
+                    time.sleep(STACKS_WAIT_S)
                 break
             time.sleep(0.2)
         sys.stdout.write(echo.read())
@@ -282,6 +309,27 @@ def summarise(log_text: str) -> str:
         if re.match(r"^\d+ (passed|failed|skipped)", line.strip()):
             return line.strip()
     return "no pytest summary (crashed or killed); " + progress(lines)
+
+
+_FRAME = re.compile(r'File "([^"]+\.py)", line (\d+) in (\w+)')
+
+
+def stuck_in(stacks_text: str) -> str:
+    """'; stuck in FILE:LINE FUNCTION': the innermost test-file frame of the main thread in the
+    last stack dump of a rank (dump_stacks), or '' without one."""
+    lines = stacks_text.splitlines()
+    starts = [i for i, l in enumerate(lines) if l.startswith("Current thread 0x")]
+    if not starts:
+        return ""
+    for line in lines[starts[-1] + 1:]:
+        if not line.startswith("  File"):
+            break
+        m = _FRAME.search(line)
+        if m and os.path.basename(m.group(1)).startswith("test_"):
+            path = m.group(1)
+            path = os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
+            return f"; stuck in {path}:{m.group(2)} {m.group(3)}"
+    return ""
 
 
 _PROGRESS = re.compile(r"^([.sFExX]+)\s*(\[\s*\d+%\])?$")
@@ -330,6 +378,10 @@ def report(layout: Layout, codes: List[List[Optional[int]]], log_dir: str) -> in
             with open(os.path.join(folder, f"rank{rank}.log"), errors="replace") as f:
                 text = f.read()
             summary = summarise(text)
+            stacks = os.path.join(folder, f"rank{rank}.stacks")
+            if code != 0 and os.path.isfile(stacks):
+                with open(stacks, errors="replace") as f:
+                    summary += stuck_in(f.read())
             where = f"job {job} " if layout.jobs > 1 else ""
             print(f"{where}rank {rank} (GPU {layout.gpu_of(rank)}): exit {code}: {summary}")
             if rank == 0:

@@ -170,3 +170,30 @@ def test_internode_topologies_of_a_rank_count(ranks, nodes):
 def test_sm_counts_fit_the_partition(wanted, available, got):
     assert topology.fit_sms(wanted, available) == got
 
+
+
+def test_a_rank_killed_at_the_deadline_says_where_it_was(tmp_path, capsys):
+    """At the deadline every running rank is asked for its stacks (SIGUSR1 -> rank<N>.stacks via
+    tests/conftest.py's faulthandler), then killed; the report names the test line it was stuck in."""
+    test_file = tmp_path / "test_sleeper.py"
+    test_file.write_text("import time\n\n\ndef test_sleeps():\n    time.sleep(120)\n")
+    layout = gs.Layout(1, 1)
+    logs = tmp_path / "logs"
+    jobs = [gs.launch(layout, ["-q", "-p", "tests.conftest", "-p", "no:cacheprovider", str(test_file)], str(logs), {})]
+    # long enough for pytest to start and import the conftest, far shorter than the sleep
+    codes = gs.wait_all(jobs, str(logs / "rank0.log"), timeout=15)
+    assert codes == [[-9]]
+    assert gs.report(layout, codes, str(logs)) == 1
+    printed = capsys.readouterr().out
+    assert f"stuck in {test_file}:5 test_sleeps" in printed, printed
+
+
+def test_stuck_in_reads_the_main_thread_of_the_last_dump():
+    dump = ("Thread 0x01 (most recent call first):\n  File \"/x/test_other.py\", line 9 in helper\n\n"
+            "Current thread 0x02 (most recent call first):\n  File \"/x/y.py\", line 3 in wait\n"
+            "  File \"/x/test_a.py\", line 7 in test_a\n\n"
+            "Current thread 0x02 (most recent call first):\n  File \"/x/epcomm/buffer.py\", line 1 in f\n"
+            f"  File \"{gs.ROOT}/tests/gpu/test_b.py\", line 12 in test_b\n"
+            "  File \"/x/test_a.py\", line 7 in test_a\n")
+    assert gs.stuck_in(dump) == "; stuck in tests/gpu/test_b.py:12 test_b"
+    assert gs.stuck_in("no dump here") == ""
