@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 # tests.gpu_session asks a rank it is about to kill for every thread's stack (SIGUSR1, written to
-# the file it names: pytest captures stderr). The file object must outlive the registration.
+# the file it names: pytest replaces sys.stderr). The file object must outlive the registration.
 _STACKS_FILE = None
 if os.environ.get("EPCOMM_TEST_STACKS_FILE"):
     import signal

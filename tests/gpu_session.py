@@ -208,7 +208,10 @@ def launch(layout: Layout, pytest_args: List[str], log_dir: str, extra_env: Dict
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else ROOT
         env[STACKS_ENV] = os.path.join(log_dir, f"rank{rank}.stacks")
         log = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
-        cmd = [sys.executable, "-m", "pytest", *pytest_args]
+        # --capture=sys: what native libraries write to the process's stderr (NVSHMEM's fatal init
+        # errors, which exit(-1) at once, CUDA's aborts) lands in the rank log instead of in a
+        # capture file that such an exit never prints; a caller's -s still overrides it.
+        cmd = [sys.executable, "-m", "pytest", "--capture=sys", *pytest_args]
         # Rank 0 also writes to the terminal through tee-like forwarding in wait_all.
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        start_new_session=True), log))
@@ -217,7 +220,7 @@ def launch(layout: Layout, pytest_args: List[str], log_dir: str, extra_env: Dict
 
 # A rank still running when it is to be killed first writes every thread's Python stack into
 # rank<N>.stacks beside its log (faulthandler, registered by tests/conftest.py on SIGUSR1 for the
-# file STACKS_ENV names; pytest captures the rank's stderr), so a killed run says where each rank
+# file STACKS_ENV names; pytest replaces sys.stderr), so a killed run says where each rank
 # was: report() names the test file line it was stuck in.
 STACKS_SIGNAL = signal.SIGUSR1
 STACKS_ENV = "EPCOMM_TEST_STACKS_FILE"

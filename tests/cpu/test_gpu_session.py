@@ -197,3 +197,15 @@ def test_stuck_in_reads_the_main_thread_of_the_last_dump():
             "  File \"/x/test_a.py\", line 7 in test_a\n")
     assert gs.stuck_in(dump) == "; stuck in tests/gpu/test_b.py:12 test_b"
     assert gs.stuck_in("no dump here") == ""
+
+
+def test_native_output_reaches_the_rank_log(tmp_path):
+    """Ranks run pytest with --capture=sys: a write to fd 2 followed by an immediate exit (what
+    NVSHMEM does on a fatal init error) is in the rank's log."""
+    test_file = tmp_path / "test_native_exit.py"
+    test_file.write_text("import os\n\n\ndef test_exits():\n    os.write(2, b'native fatal error\\n')\n"
+                         "    os._exit(255)\n")
+    logs = tmp_path / "logs"
+    jobs = [gs.launch(gs.Layout(1, 1), ["-q", "-p", "no:cacheprovider", str(test_file)], str(logs), {})]
+    assert gs.wait_all(jobs, str(logs / "rank0.log"), timeout=60) == [[255]]
+    assert "native fatal error" in (logs / "rank0.log").read_text()
