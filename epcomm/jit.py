@@ -3,6 +3,7 @@
     python -m epcomm.jit --precompile --arch sm_80,sm_90 [--jobs N]
     python -m epcomm.jit --precompile --arch sm_90 --shapes model.json
     python -m epcomm.jit --rebuild OLD_CACHE_DIR [--jobs N]
+    python -m epcomm.jit --list-recipes CACHE_DIR > recipes.json; python -m epcomm.jit --rebuild recipes.json
     python -m epcomm.jit --precompile --arch sm_90 --hidden 7168 --num-topk 8 --num-experts 256 \
         --num-ranks 16 --num-local-ranks 8 --num-max-dispatch-tokens-per-rank 128 --dtypes bf16,fp8
 
@@ -13,8 +14,9 @@ below) it builds exactly the kernels that model's Buffer calls will compile, for
 they will use (EPCOMM_ARCH applies), so a cache (EPCOMM_CACHE_DIR) warmed in a container build
 serves the first calls without compiling. --rebuild builds again every specialisation recorded in
 the entries of a cache directory (any sources or toolchain built them) into EPCOMM_CACHE_DIR with
-the current sources and toolchain: a warm cache survives an upgrade. One line per build with its
-times; exit status 1 if any failed.
+the current sources and toolchain: a warm cache survives an upgrade; --list-recipes writes those
+records as a small JSON list, which --rebuild takes in place of the directory (a cache's set of
+kernels kept without its cubins). One line per build with its times; exit status 1 if any failed.
 """
 from __future__ import annotations
 
@@ -82,10 +84,11 @@ def model_tasks(archs: List[int], models) -> list:
     return tasks
 
 
-def rebuild_tasks(directory: str) -> list:
-    """(label, (source, arch, feature)) for every recipe recorded in a cache directory."""
+def rebuild_tasks(where: str) -> list:
+    """(label, (source, arch, feature)) for every recipe recorded in a cache directory or listed
+    in a recipes file."""
     from .runtime import cache
-    return [("rebuild", task) for task in cache.recipes(directory)]
+    return [("rebuild", task) for task in cache.recipes(where)]
 
 
 def precompile(archs: List[int], jobs: int, models=None, rebuild_from=None) -> int:
@@ -134,8 +137,11 @@ def main(argv=None) -> int:
     parser.add_argument("--precompile", action="store_true",
                         help="build kernels into the cache: the model's (shape options) or "
                              "every registered family's")
-    parser.add_argument("--rebuild", metavar="DIR",
-                        help="build every specialisation recorded in DIR's cache entries again")
+    parser.add_argument("--rebuild", metavar="DIR|FILE",
+                        help="build every specialisation recorded in DIR's cache entries (or listed "
+                             "in a --list-recipes FILE) again")
+    parser.add_argument("--list-recipes", metavar="DIR",
+                        help="print the recipes recorded in DIR's cache entries as a JSON list")
     parser.add_argument("--arch", type=_parse_archs, default=[80, 90],
                         help="comma-separated compile targets (default sm_80,sm_90)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
@@ -146,6 +152,11 @@ def main(argv=None) -> int:
     for name, metavar, help_text in _SHAPE_OPTIONS:
         shapes.add_argument(f"--{name.replace('_', '-')}", dest=name, metavar=metavar, help=help_text)
     args = parser.parse_args(argv)
+    if args.list_recipes is not None:
+        import json
+        from .runtime import cache
+        print(json.dumps(cache.recorded_recipes(args.list_recipes), indent=1))
+        return 0
     if args.rebuild is not None:
         if args.precompile:
             parser.error("--rebuild and --precompile are separate jobs: give one")

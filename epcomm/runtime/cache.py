@@ -131,20 +131,31 @@ def recipe(src: KernelSource, arch_sm: int, feature: int) -> dict:
             "arch_sm": arch_sm, "feature": feature}
 
 
-def recipes(directory: Path) -> List[Tuple[KernelSource, int, int]]:
-    """The (source, arch, feature) of every whole entry under `directory` (a cache dir or its
-    cubin/ folder), whatever sources or toolchain built it, each once, in name order."""
+def recorded_recipes(directory: Path) -> List[dict]:
+    """The recipe of every whole entry under `directory` (a cache dir or its cubin/ folder),
+    whatever sources or toolchain built it, in name order (JSON: `python -m epcomm.jit
+    --list-recipes DIR` writes them, --rebuild FILE builds them)."""
     directory = Path(directory)
     folder = directory / "cubin" if (directory / "cubin").is_dir() else directory
-    found = {}
+    found = []
     for path in sorted(folder.glob("*.bin")):
         try:
             decoded = _decode(path.read_bytes())
         except OSError:
             continue
         r = decoded[0].get("recipe") if decoded else None
-        if not r:
-            continue
+        if r:
+            found.append(r)
+    return found
+
+
+def recipes(where: Path) -> List[Tuple[KernelSource, int, int]]:
+    """(source, arch, feature) of every recipe, each once: those recorded under a cache directory,
+    or those of a JSON file holding a list of recipes (as recorded_recipes gives them)."""
+    where = Path(where)
+    listed = json.loads(where.read_text()) if where.is_file() else recorded_recipes(where)
+    found = {}
+    for r in listed:
         src = KernelSource(r["source"], tuple(r["kernels"]),
                            tuple((k, v) for k, v in r["defines"]), bool(r["uses_nvshmem"]))
         found.setdefault((src, r["arch_sm"], r["feature"]), None)

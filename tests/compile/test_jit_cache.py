@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing
 import shutil
 
@@ -243,3 +244,23 @@ def test_entries_record_recipes_and_rebuild_serves_edited_sources(tree, tmp_path
         assert cache.get_cubin(SRC, 90, 90).from_cache
         assert cache.get_cubin(other, 80, 80).from_cache
     assert jit.precompile([90], jobs=1, rebuild_from=str(tmp_path / "empty")) == 0   # nothing to do
+
+
+def test_a_recipes_file_keeps_a_caches_kernels_without_their_cubins(tree, tmp_path, monkeypatch, capsys):
+    """--list-recipes DIR prints the recorded recipes as JSON; --rebuild FILE builds exactly them."""
+    from epcomm import jit
+    other = KernelSource("probe.cu", ("epcomm::fill<6, int>",))
+    cache.get_cubin(SRC, 90, 90)
+    cache.get_cubin(other, 90, 90)
+    assert jit.main(["--list-recipes", str(tmp_path / "cache")]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert sorted(r["kernels"][0] for r in listed) == sorted([SRC.kernels[0], other.kernels[0]])
+    recipes_file = tmp_path / "recipes.json"
+    recipes_file.write_text(json.dumps(listed))
+    assert cache.recipes(recipes_file) == cache.recipes(tmp_path / "cache")
+    cache.clear_memo()
+    monkeypatch.setenv("EPCOMM_CACHE_DIR", str(tmp_path / "fresh"))
+    assert jit.main(["--rebuild", str(recipes_file), "--jobs", "1"]) == 0
+    cache.clear_memo()
+    monkeypatch.setenv("EPCOMM_ASSERT_NO_COMPILE", "1")
+    assert cache.get_cubin(SRC, 90, 90).from_cache and cache.get_cubin(other, 90, 90).from_cache
