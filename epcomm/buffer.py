@@ -425,6 +425,7 @@ class Buffer:
         self._forget_fast_paths()
         backend, self._backend, self.runtime = self._backend, None, None
         backend.destroy()
+        self.group = None   # see ReferenceBackend.destroy: nothing here keeps the process group alive
         if failure is not None:
             raise failure
 

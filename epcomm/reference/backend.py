@@ -263,3 +263,7 @@ class ReferenceBackend(Backend):
         self._buffers = {}
         self._buffer_sizes = {False: 0, True: 0}
         self._ll.release()
+        # No reference to the process group outlives the Buffer's destroy(): a gloo group that
+        # destroy_process_group() leaves alive is torn down at interpreter exit instead, where its
+        # worker threads can abort the process.
+        self.group = self.exchange.group = None
