@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import json
 import multiprocessing
 import os
 import re
@@ -153,7 +154,6 @@ def main(argv=None) -> int:
         shapes.add_argument(f"--{name.replace('_', '-')}", dest=name, metavar=metavar, help=help_text)
     args = parser.parse_args(argv)
     if args.list_recipes is not None:
-        import json
         from .runtime import cache
         print(json.dumps(cache.recorded_recipes(args.list_recipes), indent=1))
         return 0

@@ -19,13 +19,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-# tests.gpu_session asks a rank it is about to kill for every thread's stack (SIGUSR1, written to
-# the file it names: pytest replaces sys.stderr). The file object must outlive the registration.
+from tests.gpu_session import STACKS_ENV, STACKS_SIGNAL  # noqa: E402 (needs ROOT on sys.path)
+
+# tests.gpu_session asks a rank it is about to kill for every thread's stack, written to the file
+# it names (pytest replaces sys.stderr). The file object must outlive the registration.
 _STACKS_FILE = None
-if os.environ.get("EPCOMM_TEST_STACKS_FILE"):
-    import signal
-    _STACKS_FILE = open(os.environ["EPCOMM_TEST_STACKS_FILE"], "a")
-    faulthandler.register(signal.SIGUSR1, file=_STACKS_FILE, all_threads=True)
+if os.environ.get(STACKS_ENV):
+    _STACKS_FILE = open(os.environ[STACKS_ENV], "a")
+    faulthandler.register(STACKS_SIGNAL, file=_STACKS_FILE, all_threads=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -227,17 +227,20 @@ STACKS_ENV = "EPCOMM_TEST_STACKS_FILE"
 STACKS_WAIT_S = 2.0
 
 
-def dump_stacks(procs) -> bool:
-    """Ask every running rank of `procs` for its stacks; True when one was asked."""
+def dump_stacks(*jobs) -> None:
+    """Ask every running rank of these jobs (process lists) for its stacks, then give them
+    STACKS_WAIT_S to write them (once, whatever the number of ranks asked)."""
     asked = False
-    for proc, _ in procs:
-        if proc.poll() is None:
-            try:
-                os.kill(proc.pid, STACKS_SIGNAL)
-                asked = True
-            except ProcessLookupError:
-                pass
-    return asked
+    for procs in jobs:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, STACKS_SIGNAL)
+                    asked = True
+                except ProcessLookupError:
+                    pass
+    if asked:
+        time.sleep(STACKS_WAIT_S)
 
 
 def kill_all(procs) -> None:
@@ -277,15 +280,13 @@ def wait_all(jobs, echo_log: str, timeout: float) -> List[List[Optional[int]]]:
                     if j in failed_at and time.monotonic() - failed_at[j] > 120:
                         print(f"\ngpu_session: a rank of job {j} exited with failure 120 s ago and "
                               f"others still run; killing them", flush=True)
-                        if dump_stacks(procs):
-                            time.sleep(STACKS_WAIT_S)
+                        dump_stacks(procs)
                         kill_all(procs)
             if not running:
                 break
             if time.monotonic() > deadline:
                 print(f"\ngpu_session: timed out after {timeout:.0f} s; killing every rank", flush=True)
-                if any([dump_stacks(procs) for procs in jobs]):
-                    time.sleep(STACKS_WAIT_S)
+                dump_stacks(*jobs)
                 break
             time.sleep(0.2)
         sys.stdout.write(echo.read())
