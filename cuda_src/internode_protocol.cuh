@@ -268,7 +268,7 @@ struct Spinner {
         int stop = 0;
         if (lane_id() == 0) {
             stop = guard.failed(phase);
-            if (!stop && guard.past_deadline()) {
+            if (!stop && guard.past_deadline(peer)) {
                 guard.timeout(peer, phase);
                 stop = 1;
             }

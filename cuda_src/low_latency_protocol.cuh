@@ -186,7 +186,7 @@ __device__ __forceinline__ Wait wait_until(const Guard &g, Ready ready, int *mas
     spin_until(ready, [&] {
         if (*reinterpret_cast<volatile int *>(mask + peer) != 0) {
             result = kMasked;
-        } else if (g.past_deadline()) {
+        } else if (g.past_deadline(peer)) {
             if (shrink) {
                 atomicExch(mask + peer, 1);
                 result = kMasked;
@@ -255,7 +255,7 @@ __device__ void wait_released(BlockState<kRanks> &s, const Guard &g, const unsig
         if (s.masked[r]) continue;
         const unsigned long long want = send_epoch - 1;   // relaxed polls, then one acquire (wait_tag)
         const bool released = spin_until([&] { return ld_relaxed_sys(acks + r) >= want && ld_acquire_sys(acks + r) >= want; },
-                                         [&] { return g.past_deadline() || g.failed(kPhaseRelease); });
+                                         [&] { return g.past_deadline(r) || g.failed(kPhaseRelease); });
         if (!released) {
             if (shrink && !g.failed()) {
                 atomicExch(mask + r, 1);

@@ -272,15 +272,14 @@ class Buffer:
 
     def _agreed_low_latency(self, c: Call, names: Tuple[str, ...], key: tuple) -> None:
         """First call with the argument set `key` (its first three: T, H, E): on the GPU, every rank
-        must hold the same set (epcomm.agreement; checked before the capacity, so a mismatch raises
-        alike everywhere); the CPU backend checks every call in its exchange. An enable_shrink Buffer
-        skips the check: its calls must complete without a peer that stopped responding (masked),
-        and a collective over the group would wait for that peer."""
+        must hold the same set (epcomm.agreement: a bounded meeting that names a rank that does not
+        come; checked before the capacity, so a mismatch raises alike everywhere); the CPU backend
+        checks every call in its exchange. An enable_shrink Buffer skips the check: its calls must
+        complete without a peer that stopped responding (masked), and the meeting would wait for
+        that peer."""
         if self._exchange is None and self._device.type == "cuda" and not self.enable_shrink:
-            if torch.cuda.is_current_stream_capturing():
-                return   # no collective inside a graph capture: the next call outside checks
-            from .agreement import agree
-            agree(self.group, self._device, c.op, names, key, env.timeout_s())
+            from .agreement import agree   # host-only (the store), so also inside a graph capture
+            agree(self._backend.agreement, c.op, names, key, env.timeout_s())
         self._low_latency(c, key[:3])
         self._low_latency_agreed.add(key)
 

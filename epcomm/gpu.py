@@ -12,6 +12,7 @@ State the ops modules may use (and nothing else of this class):
 from __future__ import annotations
 
 import os
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -60,7 +61,7 @@ class GpuBackend(Backend):
         try:
             forced_local_ranks = env.num_local_ranks()
             self.arch = device_arch(self.device_index)
-            status = StatusRecord(self.device, on_failure=self._on_peer_failure)
+            status = StatusRecord(self.device)
         except Exception as e:  # re-raised below, after the other ranks have heard of it
             local_error = e
         mine = _RankFacts(host_key(), num_nvl_bytes, num_rdma_bytes, self.low_latency_mode,
@@ -86,7 +87,11 @@ class GpuBackend(Backend):
             raise
 
         self.status = status
+        # Bounded meetings of this Buffer's ranks, one sequence of rounds per purpose: recover(),
+        # destroy(), and the low-latency argument check (epcomm.agreement, called by the Buffer).
         self._rendezvous = group_rendezvous(group, f"buffer-{facts[0].token}")
+        self._teardown = group_rendezvous(group, f"buffer-{facts[0].token}/destroy")
+        self.agreement = group_rendezvous(group, f"buffer-{facts[0].token}/agree")
         self._unrecoverable: Optional[EpcommError] = None   # a recover() whose rendezvous failed
         # NVSHMEM init and allocation failures raise on every rank at the same point, so what was
         # already allocated can be freed collectively.
@@ -112,10 +117,6 @@ class GpuBackend(Backend):
         self._destroyed = False
         # Buffers not destroyed by the user are destroyed at exit, before NVSHMEM is finalised.
         self.nvshmem.add_teardown(self.destroy)
-
-    def _on_peer_failure(self, error) -> None:
-        # A peer may be dead: barriers and collective frees with it would hang teardown and exit.
-        self.nvshmem.peer_failed = True
 
     def _require_usable(self) -> None:
         if self._destroyed:
@@ -172,7 +173,7 @@ class GpuBackend(Backend):
             self._rendezvous.meet("Buffer.recover", "every rank quiesced its device", timeout_s)
         except PeerTimeout as e:
             self._unrecoverable = e
-            self.nvshmem.peer_failed = True
+            self.nvshmem.peer_missing = True
             raise
         self.nvshmem.barrier_all()   # also completes transfers the failed calls left in flight
         mask = None if self._ll is None else self._ll.mask_state()
@@ -183,26 +184,41 @@ class GpuBackend(Backend):
             self._ll.restart(mask)
         self.nvshmem.barrier_all()
         self.status.reset()
-        self.nvshmem.peer_failed = False   # every rank just answered
 
     def _synchronize(self) -> None:
         torch.cuda.synchronize(self.device_index)
 
     def destroy(self) -> None:
-        """Collective and idempotent: free the symmetric buffers and the error record. After a peer
-        timeout the symmetric memory is left to process exit (freeing it needs the peer)."""
+        """Collective and idempotent: free the symmetric buffers and the error record. The ranks
+        first meet (bounded by twice EPCOMM_TIMEOUT_S): NVSHMEM's barrier and collective free
+        wait for every PE without a bound, so only ranks that all met take them together; if a
+        rank does not come (it failed, or left), every rank leaves the symmetric memory to process
+        exit and warns, naming it. Deciding from what each rank saw of earlier failures instead
+        would split the ranks when one saw a failure the others did not, and the ranks that
+        barrier would wait for ever."""
         if self._destroyed:
             return
         self._destroyed = True
         self._ll = None
         self.plans = {}   # their Params point into the buffers freed below
         self.nvshmem.remove_teardown(self.destroy)
-        if self.nvshmem.live and not self.nvshmem.peer_failed:
+        if self.nvshmem.live and not self.nvshmem.peer_missing and self._every_rank_tears_down():
             self.nvshmem.barrier_all()  # no peer kernel may still write into what is freed next
             for buf in (self.nvl, self.rdma):
                 if buf is not None:
                     buf.free()
         self.status.free()
+
+    def _every_rank_tears_down(self) -> bool:
+        self._synchronize()   # this rank's kernels are done before it says so
+        try:
+            self._teardown.meet("Buffer.destroy", "every rank reached destroy", 2 * self.status.timeout_s)
+            return True
+        except Exception as e:   # PeerTimeout, or the store itself gone (a peer process exited)
+            self.nvshmem.peer_missing = True
+            warnings.warn(f"Buffer.destroy: symmetric memory left to process exit ({e})", RuntimeWarning,
+                          stacklevel=3)
+            return False
 
     # ---- normal mode -------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):

@@ -46,13 +46,14 @@ __device__ __forceinline__ bool spin_until(Ready ready, GiveUp give_up) {
 
 struct WaitContext {
     ErrorRecord *err;                 // host-mapped record (device pointer)
-    unsigned long long deadline_ns;   // %globaltimer value after which waits fail
+    unsigned long long deadline_ns;   // %globaltimer value after which waits on a peer fail
+    unsigned long long timeout_ns;    // the bound itself (a wait on this rank's own data gets two)
     int op;
     int rank;
 
     __device__ __forceinline__ static WaitContext make(ErrorRecord *err, unsigned long long timeout_ns,
                                                        int op, int rank) {
-        return WaitContext{err, globaltimer_ns() + timeout_ns, op, rank};
+        return WaitContext{err, globaltimer_ns() + timeout_ns, timeout_ns, op, rank};
     }
 
     // First failure wins: elect by code, then the details.
@@ -149,13 +150,19 @@ struct Guard {
         ctx.record(peer, phase, kDeviceCheckFailed);
         raise_flag(peer, true);
     }
-    __device__ __forceinline__ bool past_deadline() const { return globaltimer_ns() > ctx.deadline_ns; }
+    // Whether a wait for `peer` has run out. A wait for this rank's own data (made by its other
+    // blocks, or by its own forwarding) is late only because one of their waits for a peer is:
+    // it gets a second bound, so that wait runs out first, names the peer and raises the flag,
+    // which ends this one too. Otherwise the rank could name itself, whichever wait ran out first.
+    __device__ __forceinline__ bool past_deadline(int peer) const {
+        return globaltimer_ns() > ctx.deadline_ns + (peer == ctx.rank ? ctx.timeout_ns : 0ull);
+    }
     // Spin until ready(); every kPollsPerCheck polls check the flag and the deadline.
     template <class Ready>
     __device__ __forceinline__ bool wait(int peer, int phase, Ready ready) const {
         return spin_until(ready, [&] {
             if (failed(phase)) return true;
-            if (!past_deadline()) return false;
+            if (!past_deadline(peer)) return false;
             timeout(peer, phase);
             return true;
         });

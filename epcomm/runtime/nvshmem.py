@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import hashlib
 import os
+import warnings
 import weakref
 from typing import Callable, Dict, List, MutableMapping, Optional, Tuple
 
+from .. import env
 from ..errors import NvshmemError, ToolchainError
 from . import toolchain
+from .rendezvous import group_rendezvous
 from .topology import host_key
 
 _LIBRARY = "libnvshmem_host.so.3"
@@ -221,7 +225,11 @@ class Nvshmem:
         self.my_pe = self._lib.nvshmem_my_pe()
         self.n_pes = self._lib.nvshmem_n_pes()
         self.version = library_version()
-        self.peer_failed = False  # set after a peer timeout: collective teardown could then hang
+        # A bounded meeting of the ranks (Buffer.recover, Buffer.destroy, finalize) found one
+        # missing. The meeting's outcome is one decision that every rank taking part follows, so
+        # all of them know, and none attempts anything collective with NVSHMEM after it.
+        self.peer_missing = False
+        self._teardown = None   # the finalize meeting (a Rendezvous), for a world this process owns
         self._finalized = False
         self._owners: List[Callable[[], None]] = []  # teardown callbacks, run before finalize
         self._buffers: "weakref.WeakSet" = weakref.WeakSet()
@@ -278,6 +286,7 @@ class Nvshmem:
         _check(lib.nvshmemx_hostlib_init_attr(_INIT_WITH_UNIQUEID, ctypes.byref(attr)),
                f"nvshmemx_hostlib_init_attr (rank {rank} of {size}; NVSHMEM_DEBUG=INFO tells more)")
         world = cls(group, device_index, owns_world=True)
+        world._teardown = group_rendezvous(group, f"nvshmem-{hashlib.sha1(box[0]).hexdigest()[:16]}")
         if (world.my_pe, world.n_pes) != (rank, size):
             raise NvshmemError(f"NVSHMEM initialised as PE {world.my_pe} of {world.n_pes}, expected "
                                f"group rank {rank} of {size}")
@@ -370,8 +379,9 @@ class Nvshmem:
 
     def finalize(self) -> None:
         """Idempotent. Destroys registered Buffers, then releases NVSHMEM if this process
-        initialised it. After a peer timeout nothing collective is attempted (the peer may be gone,
-        and a barrier with it would hang the exit)."""
+        initialised it: collective, so only after a bounded meeting of every PE (a missing one,
+        or one found missing before, and nothing collective is attempted: a barrier with a PE
+        that is gone would hang the exit)."""
         if self._finalized:
             return
         try:
@@ -382,10 +392,19 @@ class Nvshmem:
             for buffer in list(self._buffers):
                 buffer._forget()
             self._finalized = True
-        if self.owns_world and not self.peer_failed:
-            import torch
-            torch.cuda.synchronize(self.device_index)
+        if self.owns_world and not self.peer_missing and self._every_pe_finalizes():
             self._lib.nvshmemx_hostlib_finalize()
+
+    def _every_pe_finalizes(self) -> bool:
+        import torch
+        torch.cuda.synchronize(self.device_index)
+        try:
+            self._teardown.meet("NVSHMEM finalize", "every PE reached finalize", 2 * env.timeout_s())
+            return True
+        except Exception as e:   # PeerTimeout, or the store gone with the process that served it
+            self.peer_missing = True
+            warnings.warn(f"NVSHMEM left to process exit, not finalised ({e})", RuntimeWarning, stacklevel=2)
+            return False
 
 
 def _check(rc: int, what: str) -> None:

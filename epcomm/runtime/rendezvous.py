@@ -9,7 +9,9 @@ own key and polls for the others', with a deadline.
 Timeouts make the outcome a single atomic decision (`compare_set` on one key): the first rank that
 sees every arrival writes "go", the first that runs out of time writes who it waited for; every rank,
 a late one included, follows whichever was written first. So either every rank proceeds or none
-does, and a rank arriving after the others gave up raises instead of waiting for them.
+does, and a rank arriving after the others gave up raises instead of waiting for them. A meeting may
+carry a payload from each rank (the arguments every rank must agree on, epcomm/agreement.py): it is
+written with the arrival, and every rank that proceeds reads every rank's.
 """
 from __future__ import annotations
 
@@ -29,20 +31,22 @@ def default_store():
 
 
 class Rendezvous:
-    """Meetings of one object's ranks (e.g. one Buffer): `prefix` must be equal on every rank and
-    unique to that object; each meet() names a new round, in the same order on every rank."""
+    """Meetings of one object's ranks for one purpose (e.g. one Buffer's recoveries): `prefix` must
+    be equal on every rank and unique to that object and purpose; each meet() names a new round, in
+    the same order on every rank."""
 
     def __init__(self, store, prefix: str, rank: int, num_ranks: int):
         self.store, self.prefix, self.rank, self.num_ranks = store, prefix, rank, num_ranks
         self.rounds = 0
 
-    def meet(self, op: str, phase: str, timeout_s: float) -> None:
-        """Return once every rank has called meet() for this round; raise PeerTimeout (naming the
-        rank waited for) on every rank when one did not arrive within timeout_s of another."""
+    def meet(self, op: str, phase: str, timeout_s: float, payload: bytes = b"1") -> List[bytes]:
+        """Return every rank's payload (by rank) once every rank has called meet() for this round;
+        raise PeerTimeout (naming the rank waited for) on every rank when one did not arrive
+        within timeout_s of another."""
         base = f"{self.prefix}/{self.rounds}"
         self.rounds += 1
         store, decision = self.store, f"{base}/decision"
-        store.set(f"{base}/rank{self.rank}", b"1")
+        store.set(f"{base}/rank{self.rank}", payload)
         arrived = store.add(f"{base}/arrived", 1)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -60,7 +64,7 @@ class Rendezvous:
             time.sleep(_POLL_S)
             arrived = store.add(f"{base}/arrived", 0)
         if outcome == _GO:
-            return
+            return [store.get(f"{base}/rank{r}") for r in range(self.num_ranks)]
         decider, peer = (int(v) for v in outcome.decode().split())
         if decider == self.rank:
             raise PeerTimeout(op, self.rank, peer, phase, timeout_s)
@@ -72,7 +76,8 @@ class Rendezvous:
 
 
 def group_rendezvous(group, token: str, store: Optional[object] = None) -> Rendezvous:
-    """A Rendezvous of `group`'s ranks under key prefix epcomm/<token>; token: equal on every rank."""
+    """A Rendezvous of `group`'s ranks under key prefix epcomm/<token>; token: equal on every rank
+    and unique to the meetings' owner and purpose."""
     import torch.distributed as dist
     return Rendezvous(default_store() if store is None else store, f"epcomm/{token}",
                       dist.get_rank(group), dist.get_world_size(group))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 from .. import env
 from ..errors import BufferUnusable, DeviceCheckFailed, EpcommError, PeerFailed, PeerTimeout
@@ -147,13 +147,10 @@ def _alloc_mapped(nbytes: int, device) -> tuple:
 
 class StatusRecord:
     """One ErrorRecord per Buffer. `device_ptr` goes into kernel Params; `check()` raises the
-    recorded failure the first time and BufferUnusable afterwards; `on_failure(exc)` runs once
-    when a failure is first seen (GpuBackend uses it to stop collective teardown)."""
+    recorded failure the first time and BufferUnusable afterwards."""
 
-    def __init__(self, device, timeout_s: Optional[float] = None,
-                 on_failure: Optional[Callable[[EpcommError], None]] = None):
+    def __init__(self, device, timeout_s: Optional[float] = None):
         self.timeout_s = env.timeout_s() if timeout_s is None else timeout_s
-        self._on_failure = on_failure
         self.host_ptr, self.device_ptr, self._release = _alloc_mapped(ctypes.sizeof(ErrorRecord),
                                                                       device)
         self._record: Optional[ErrorRecord] = ErrorRecord.from_address(self.host_ptr)
@@ -187,8 +184,6 @@ class StatusRecord:
         while not _details_written(record) and time.monotonic() < deadline:
             time.sleep(1e-4)
         self.error = error_from_record(record, self.timeout_s)
-        if self._on_failure is not None:
-            self._on_failure(self.error)
         raise self.error
 
     def _live_record(self, what: str) -> ErrorRecord:

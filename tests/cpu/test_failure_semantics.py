@@ -239,20 +239,31 @@ def _case_lesser_items(rank, world):
 
 
 def _case_once_per_shape_agreement(rank, world):
-    """The GPU Buffer's once-per-argument-set check (epcomm.agreement), here over gloo: equal sets
-    pass, a differing one raises ValueError naming it on every rank, a rank that never joins gives
-    PeerTimeout within the bound."""
+    """The GPU Buffer's once-per-argument-set check (epcomm.agreement), here over the process
+    store: equal sets pass, a differing one raises ValueError naming it on every rank, a rank that
+    does not join in time is named on every rank, itself too when it comes late, and the group
+    stays usable (a timed-out collective would have stayed queued there, blocking the next one)."""
     from epcomm.agreement import agree
     from epcomm.errors import PeerTimeout
-    group, cpu, names = _fresh_group(), torch.device("cpu"), ("num_experts", "use_fp8")
-    agree(group, cpu, "Buffer.low_latency_dispatch", names, (E, True), TIMEOUT_S)
-    _raises(lambda: agree(group, cpu, "Buffer.low_latency_dispatch", names, (E * (1 + (rank == 1)), True), TIMEOUT_S),
-            ValueError, "Buffer.low_latency_dispatch: num_experts must be equal on every rank")
-    if rank == world - 1:
-        time.sleep(TIMEOUT_S + 1)
-        return
-    _raises(lambda: agree(group, cpu, "Buffer.low_latency_dispatch", names, (E, True), TIMEOUT_S), PeerTimeout,
-            "agree on the arguments")
+    from epcomm.runtime.rendezvous import group_rendezvous
+    group, names = _fresh_group(), ("num_experts", "use_fp8")
+    meeting = group_rendezvous(group, "test-agreement")
+    agree(meeting, "Buffer.low_latency_dispatch", names, (E, True), TIMEOUT_S)
+    _raises(lambda: agree(meeting, "Buffer.low_latency_dispatch", names, (E * (1 + (rank == 1)), True), TIMEOUT_S),
+            ValueError, "Buffer.low_latency_dispatch: num_experts must be equal on every rank",
+            f"[{E}, {2 * E}, {E}]")
+    late = world - 1
+    if rank == late:
+        time.sleep(TIMEOUT_S + 0.5)
+    began = time.monotonic()
+    error = _raises(lambda: agree(meeting, "Buffer.low_latency_dispatch", names, (E, True), TIMEOUT_S),
+                    PeerTimeout, "agree on the arguments")
+    assert error.peer == late, error
+    if rank == late:
+        assert "gave up waiting for rank" in str(error) and time.monotonic() - began < TIMEOUT_S / 2, error
+    total = torch.ones(1)
+    dist.all_reduce(total, group=group)
+    assert total.item() == world
 
 
 def _case_host_memory_is_lazy(rank, world):

@@ -1,7 +1,8 @@
-"""Buffer.recover's host logic without a GPU: the bounded store rendezvous (epcomm/runtime/rendezvous.py)
-on threads over one HashStore and on gloo processes over torch.distributed's own store, and
-GpuBackend.recover's steps on fakes of its device parts (order: quiesce, meet, barrier, clear,
-barrier, reset; nothing cleared when a rank is missing). The GPU run of the same path is in
+"""Buffer.recover's and Buffer.destroy's host logic without a GPU: the bounded store rendezvous
+(epcomm/runtime/rendezvous.py) on threads over one HashStore and on gloo processes over
+torch.distributed's own store, GpuBackend.recover's steps on fakes of its device parts (order:
+quiesce, meet, barrier, clear, barrier, reset; nothing cleared when a rank is missing), and
+GpuBackend.destroy's (meet, then barrier and frees; none of them when a rank is missing). The GPU run of the same path is in
 tests/gpu/test_failure_gpu.py; the CPU backend's recover() in tests/cpu/test_failure_semantics.py."""
 from __future__ import annotations
 
@@ -103,8 +104,11 @@ def test_rendezvous_over_torch_distributed_store():
 
 # ---- GpuBackend.recover on fakes ----------------------------------------------------------------------
 class _FakeSymmetric:
-    def __init__(self, nbytes: int):
-        self.nbytes, self.memory = nbytes, torch.full((nbytes,), 0x5A, dtype=torch.uint8)
+    def __init__(self, nbytes: int, log=None):
+        self.nbytes, self.memory, self.log = nbytes, torch.full((nbytes,), 0x5A, dtype=torch.uint8), log
+
+    def free(self):
+        self.log.steps.append(f"free {self.nbytes}")
 
     def view(self, dtype, shape, offset_bytes=0):
         count = math.prod(shape)
@@ -121,10 +125,13 @@ class _Log:
 
 class _FakeNvshmem:
     def __init__(self, log):
-        self.log, self.live, self.peer_failed = log, True, True
+        self.log, self.live, self.peer_missing = log, True, False
 
     def barrier_all(self):
         self.log.steps.append(f"barrier (buffers {'clear' if self.log.buffers_clear() else 'untouched'})")
+
+    def remove_teardown(self, callback):
+        self.log.steps.append("not at exit")
 
 
 class _FakeStatus:
@@ -155,9 +162,10 @@ def _fake_backend(num_ranks: int = 1):
     gb = object.__new__(GpuBackend)
     log = _Log(gb)
     gb._destroyed, gb._unrecoverable = False, None
-    gb.nvl, gb.rdma = _FakeSymmetric(256), _FakeSymmetric(512)
+    gb.nvl, gb.rdma = _FakeSymmetric(256, log), _FakeSymmetric(512, log)
     gb.nvshmem, gb.status, gb._ll = _FakeNvshmem(log), _FakeStatus(log), _FakeLowLatency(log)
     gb._rendezvous = Rendezvous(dist.HashStore(), "fake", 0, num_ranks)
+    gb._teardown = Rendezvous(dist.HashStore(), "fake-destroy", 0, num_ranks)
     gb._synchronize = lambda: log.steps.append("synchronize")
     return gb, log
 
@@ -167,7 +175,7 @@ def test_gpu_recover_clears_every_rank_state_between_two_barriers():
     gb.recover(None)
     assert log.steps == ["synchronize", "barrier (buffers untouched)", "save mask",
                          "restart (mask back, buffers clear)", "barrier (buffers clear)", "reset record"]
-    assert gb.status.error is None and gb.nvshmem.peer_failed is False
+    assert gb.status.error is None and gb.nvshmem.peer_missing is False
     gb.recover(1.0)   # a healthy Buffer may recover again (a new round)
     assert gb._rendezvous.rounds == 2
 
@@ -179,7 +187,7 @@ def test_gpu_recover_with_a_missing_rank_clears_nothing_and_stays_unusable():
         gb.recover(BOUND_S)
     assert caught.value.peer == 1 and time.monotonic() - began < BOUND_S + 1.0
     assert log.steps == ["synchronize"] and not log.buffers_clear() and gb.status.error is not None
-    assert gb.nvshmem.peer_failed, "teardown must not wait for the missing rank"
+    assert gb.nvshmem.peer_missing, "teardown must not wait for the missing rank"
     with pytest.raises(BufferUnusable, match="Buffer.recover found a rank missing"):
         gb.check_errors()
     with pytest.raises(BufferUnusable, match="an earlier recovery found a rank missing"):
@@ -204,3 +212,29 @@ def test_low_latency_restart_forgets_the_call_counts_and_keeps_the_mask():
     ll.next_set, ll.signal_shape = 1, (128, 32)
     ll.restart(torch.tensor([0, 1, 0, 1], dtype=torch.int32))
     assert ll._mask.tolist() == [0, 1, 0, 1] and ll.next_set == 0 and ll.signal_shape is None
+
+
+def test_gpu_destroy_meets_then_barriers_and_frees_once():
+    gb, log = _fake_backend()
+    gb.status.free = lambda: log.steps.append("free record")
+    gb.destroy()
+    gb.destroy()
+    assert log.steps == ["not at exit", "synchronize", "barrier (buffers untouched)", "free 256", "free 512",
+                         "free record"]
+    assert gb.nvshmem.peer_missing is False and gb._teardown.rounds == 1
+
+
+def test_gpu_destroy_with_a_missing_rank_takes_nothing_collective_and_names_it():
+    """Whatever each rank saw of earlier failures, destroy decides from the meeting alone: a rank
+    that does not come is named, nothing collective (barrier, collective free) is attempted, and
+    the world remembers it, so a later Buffer's destroy does not meet again."""
+    gb, log = _fake_backend(num_ranks=2)
+    gb.status.free = lambda: log.steps.append("free record")
+    with pytest.warns(RuntimeWarning, match="symmetric memory left to process exit .*waiting for peer 1"):
+        gb.destroy()
+    assert log.steps == ["not at exit", "synchronize", "free record"] and gb.nvshmem.peer_missing
+    other, other_log = _fake_backend(num_ranks=2)
+    other.nvshmem, other.status.free = gb.nvshmem, lambda: other_log.steps.append("free record")
+    began = time.monotonic()
+    other.destroy()
+    assert other_log.steps == ["free record"] and time.monotonic() - began < BOUND_S / 2

@@ -86,9 +86,9 @@ def _ll_dispatch(buf, dist_env, inputs, return_recv_hook: bool = False):
 
 
 def _release(dist_env, buf) -> None:
-    """Every rank is alive and its kernels finished: teardown may be collective after the failure."""
+    """Every rank is alive and its kernels finished: destroy's meeting finds them all after the
+    failure, so teardown is collective."""
     torch.cuda.synchronize()
-    buf._backend.nvshmem.peer_failed = False
     _destroy(dist_env, buf)
 
 

@@ -74,12 +74,9 @@ def make_buffer(dist_env, local: int, rdma_bytes: int = 256 << 20, timeout_s: st
                              explicitly_destroy=True, allow_mnnvl=mnnvl)
 
 
-def release(dist_env, buf, failed: bool = False) -> None:
-    """failed: the Buffer recorded a failure, but every rank is alive and its kernels finished, so
-    teardown may still be collective (a failure marks the peers possibly dead)."""
+def release(dist_env, buf) -> None:
+    """Destroy a Buffer on every rank, also after a failure (destroy meets before its collectives)."""
     torch.cuda.synchronize()
-    if failed:
-        buf._backend.nvshmem.peer_failed = False
     dist_env.barrier()
     buf.destroy()
 
@@ -588,7 +585,7 @@ def test_ranks_with_different_formats_fail_on_every_rank(dist_env, differs):
             assert error.peer % 2 != rank % 2, repr(error)   # a rank of the other kind
         on_all_ranks(dist_env, every_rank_fails)
     finally:
-        release(dist_env, buf, failed=True)
+        release(dist_env, buf)
 
 
 def short_timeout_buffer(dist_env, local: int, seed: int):
@@ -638,7 +635,7 @@ def test_peer_timeout_names_the_peer(dist_env, local):
         with pytest.raises(BufferUnusable):
             run_dispatch(buf, inputs[rank], device, False)
     on_waiting_ranks(dist_env, skipper, waiting_rank_sees_the_timeout)
-    release(dist_env, buf, failed=True)   # the skipper is alive: teardown may be collective
+    release(dist_env, buf)
 
 
 @pytest.mark.parametrize("local", [1, 2, 4], ids=["L1", "L2", "L4"])
@@ -672,4 +669,4 @@ def test_peer_timeout_in_combine(dist_env, local):
         with pytest.raises(BufferUnusable):
             buf.combine(got[0], got[4], topk_weights=got[2])
     on_waiting_ranks(dist_env, skipper, waiting_rank_sees_the_timeout)
-    release(dist_env, buf, failed=True)
+    release(dist_env, buf)
