@@ -172,8 +172,7 @@ class GpuBackend(Backend):
         try:
             self._rendezvous.meet("Buffer.recover", "every rank quiesced its device", timeout_s)
         except PeerTimeout as e:
-            self._unrecoverable = e
-            self.nvshmem.peer_missing = True
+            self._unrecoverable = e   # the missing rank may be alive: destroy() still meets it
             raise
         self.nvshmem.barrier_all()   # also completes transfers the failed calls left in flight
         mask = None if self._ll is None else self._ll.mask_state()

@@ -225,9 +225,10 @@ class Nvshmem:
         self.my_pe = self._lib.nvshmem_my_pe()
         self.n_pes = self._lib.nvshmem_n_pes()
         self.version = library_version()
-        # A bounded meeting of the ranks (Buffer.recover, Buffer.destroy, finalize) found one
-        # missing. The meeting's outcome is one decision that every rank taking part follows, so
-        # all of them know, and none attempts anything collective with NVSHMEM after it.
+        # A teardown meeting (Buffer.destroy, finalize) found a rank missing: it did not come to
+        # free what every rank must free together, so it is taken for gone. The meeting's outcome
+        # is one decision that every rank taking part follows, so all of them know, and no later
+        # teardown meets again or attempts anything collective (each would wait out its bound).
         self.peer_missing = False
         self._teardown = None   # the finalize meeting (a Rendezvous), for a world this process owns
         self._finalized = False

@@ -64,7 +64,9 @@ class Rendezvous:
             time.sleep(_POLL_S)
             arrived = store.add(f"{base}/arrived", 0)
         if outcome == _GO:
-            return [store.get(f"{base}/rank{r}") for r in range(self.num_ranks)]
+            keys = [f"{base}/rank{r}" for r in range(self.num_ranks)]
+            many = getattr(store, "multi_get", None)   # one round trip (torch >= 2.5), not one per rank
+            return [bytes(v) for v in many(keys)] if many else [store.get(k) for k in keys]
         decider, peer = (int(v) for v in outcome.decode().split())
         if decider == self.rank:
             raise PeerTimeout(op, self.rank, peer, phase, timeout_s)
