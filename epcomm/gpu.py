@@ -216,7 +216,7 @@ class GpuBackend(Backend):
         except Exception as e:   # PeerTimeout, or the store itself gone (a peer process exited)
             self.nvshmem.peer_missing = True
             warnings.warn(f"Buffer.destroy: symmetric memory left to process exit ({e})", RuntimeWarning,
-                          stacklevel=3)
+                          stacklevel=4)   # the caller of Buffer.destroy
             return False
 
     # ---- normal mode -------------------------------------------------------------------------

@@ -380,9 +380,9 @@ class Nvshmem:
 
     def finalize(self) -> None:
         """Idempotent. Destroys registered Buffers, then releases NVSHMEM if this process
-        initialised it: collective, so only after a bounded meeting of every PE (a missing one,
-        or one found missing before, and nothing collective is attempted: a barrier with a PE
-        that is gone would hang the exit)."""
+        initialised it. That is collective, so it follows a bounded meeting of every PE; if one is
+        missing from it (or a teardown meeting found one missing before), nothing collective is
+        attempted: a barrier with a PE that is gone would hang the exit."""
         if self._finalized:
             return
         try:
