@@ -149,12 +149,18 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(const __grid_
 // ---- dispatch and combine (their warps: internode_dispatch.cuh, internode_combine.cuh) ---------
 // The frame both data kernels share: begin the call, wait until every rank finished its previous
 // internode kernel, run `steps(peers, call)`, finish the call. Grid: two blocks per channel.
+// Trace builds stamp each warp's start, idle and done around the steps.
 template <int kRanks, int kLocal, class P, class Steps>
 __device__ __forceinline__ void data_call(const P &p, Steps steps) {
     __shared__ char *peers[kRanks];
     __shared__ int block_ok;
     const Call call = begin_call<kRanks, kLocal>(peers, p);
-    if (wait_all_idle<kRanks, kRanks / kLocal>(call, &block_ok)) steps(static_cast<char *const *>(peers), call);
+    trace_stamp(p.trace, kTrStart);
+    if (wait_all_idle<kRanks, kRanks / kLocal>(call, &block_ok)) {
+        trace_stamp(p.trace, kTrIdle);
+        steps(static_cast<char *const *>(peers), call);
+    }
+    trace_stamp(p.trace, kTrDone);
     kernel_finish<kRanks, kRanks / kLocal>(call);
 }
 

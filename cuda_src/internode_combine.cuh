@@ -185,6 +185,7 @@ struct Combine {
                 if (lane == 0) put_word(c.base, peers[reducer], H::kPushProgress + 8LL * (ch * kLocal + c.local),
                                         stamped(c.epoch, sh.next), reducer);
                 __syncwarp();
+                if (count > 0) trace_chunk(p.trace, kTrPushFirst);   // a progress-only announcement moved no rows
             }
         }
     }
@@ -297,6 +298,7 @@ struct Combine {
                     publish_stream(base, holder, k, end, pb, p.partial_recv_offset + ring_first * pb, p.ring,
                                    p.partial_stage_offset + stage_first * pb, p.stage,
                                    H::kPartialTail + 8LL * (c.node * kMaxChannels + ch), epoch, s);
+                    trace_chunk(p.trace, kTrReduceFirst);
                 }
                 q += end - k;
                 k = end;
@@ -387,6 +389,7 @@ struct Combine {
                         published[m] = consumed[m];
                     }
                 }
+                trace_chunk(p.trace, kTrFinishFirst);
             }
         }
     }

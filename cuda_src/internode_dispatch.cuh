@@ -255,10 +255,12 @@ struct Dispatch {
                                    p.stage_offset + (long long)(m * p.num_channels + ch) * p.stage * rec, p.stage,
                                    H::kRecordTail + 8LL * (c.node * kMaxChannels + ch), c.epoch,
                                    m * kLocal + c.local);
+                    trace_chunk(p.trace, kTrRdmaSendFirst);
                 } else {
                     const int s = b.stream;
                     if (lane == 0) put_word(base, peers[s], H::kRecordHead + 8LL * (ch * kRanks + c.rank), stamped(c.epoch, end), s);
                     __syncwarp();
+                    trace_chunk(p.trace, kTrNvlRecvFirst);
                 }
             }
         }

@@ -9,6 +9,7 @@
 #include "common/limits.cuh"
 #include "common/ptx.cuh"
 #include "common/timeout.cuh"
+#include "common/trace.cuh"
 
 namespace epcomm {
 namespace internode {
@@ -110,6 +111,7 @@ struct DispatchParams {
     int ring, stage, chunk;              // records per receive ring, per staging ring, per put
     int record_bytes, num_tokens, num_channels, tokens_per_channel, num_topk;
     int num_local_experts, num_out_rows, rank, op;
+    unsigned long long *trace;           // [blocks, kTraceWarps, kTraceSlots] in EPCOMM_TRACE builds, else null
 };
 
 struct CombineParams {
@@ -133,7 +135,57 @@ struct CombineParams {
     int push_ring, push_chunk, push_bytes;
     int ring, stage, chunk, partial_bytes;
     int num_tokens, num_channels, tokens_per_channel, num_topk, rank, op;
+    unsigned long long *trace;           // [blocks, kTraceWarps, kTraceSlots] in EPCOMM_TRACE builds, else null
 };
+
+// ---- trace (profiling builds: common/trace.cuh) -------------------------------------------------
+// Rows [block][kTraceWarps][kTraceSlots] of Params::trace, lane 0 of each warp; the names are
+// TRACE_SLOTS in epcomm/ops/internode_plan.py. Every warp stamps start / idle / done; a role's
+// leader (warp 0 of its group) stamps, per chunk it completes, the role's three slots: the first
+// and the last completion (%globaltimer ns) and the count. A chunk is one announcement: dispatch's
+// RDMA sender, a batch of records put and its tail published; dispatch's receiver (the NVLink
+// stage: it reads the RDMA peer's ring and copies the rows out), a batch copied and its consumed
+// count written back; combine's pusher, a batch of rows in a reducer's FIFO and its progress
+// published; the reducer, a batch of partial sums put and its tail published; the finishing
+// receiver, a round of tokens summed and its slots handed back. Overlap then reads off the rows:
+// a receiver's first chunk before the senders' last means the NVLink stage ran while the RDMA
+// stage still had chunks to send.
+constexpr int kTraceWarps = kWarps;
+enum TraceSlot : int {
+    kTrStart = 0,           // the warp began (its epoch read)
+    kTrIdle = 1,            // every rank finished its previous internode kernel (wait_all_idle)
+    kTrRdmaSendFirst = 2,   // dispatch sender: first chunk's tail published
+    kTrRdmaSendLast = 3,    // dispatch sender: last chunk's tail published
+    kTrRdmaSendChunks = 4,  // dispatch sender: chunks published
+    kTrNvlRecvFirst = 5,    // dispatch receiver: first chunk copied out, consumed count written
+    kTrNvlRecvLast = 6,     // dispatch receiver: last chunk copied out
+    kTrNvlRecvChunks = 7,   // dispatch receiver: chunks copied out
+    kTrPushFirst = 8,       // combine pusher: first batch of rows in a FIFO, progress published
+    kTrPushLast = 9,        // combine pusher: last batch pushed
+    kTrPushChunks = 10,     // combine pusher: batches pushed
+    kTrReduceFirst = 11,    // combine reducer: first batch of partial sums put, tail published
+    kTrReduceLast = 12,     // combine reducer: last batch of partial sums published
+    kTrReduceChunks = 13,   // combine reducer: batches published
+    kTrFinishFirst = 14,    // combine receiver: first round of tokens summed, slots handed back
+    kTrFinishLast = 15,     // combine receiver: last round done
+    kTrFinishRounds = 16,   // combine receiver: rounds done
+    kTrDone = 17,           // the warp's part of the call done (before kernel_finish)
+    kTraceSlots = 18
+};
+__device__ __forceinline__ void trace_stamp(unsigned long long *trace, int slot) {
+    if constexpr (kTrace) TraceRow(trace, kTraceWarps, kTraceSlots).set(slot, globaltimer_ns());
+}
+// One chunk of a role done: `first` is the role's first-completion slot, followed by its
+// last-completion slot and its count.
+__device__ __forceinline__ void trace_chunk(unsigned long long *trace, int first) {
+    if constexpr (kTrace) {
+        const TraceRow row(trace, kTraceWarps, kTraceSlots);
+        const unsigned long long now = globaltimer_ns();
+        row.first(first, now);
+        row.set(first + 1, now);
+        row.add(first + 2, 1);
+    }
+}
 
 __device__ __forceinline__ unsigned long long *word_at(char *base, long long offset) {
     return reinterpret_cast<unsigned long long *>(base + offset);

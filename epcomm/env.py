@@ -24,6 +24,8 @@ EPCOMM_NUM_LOCAL_RANKS    (from host names)    ranks per node (NVLink domain); m
 EPCOMM_INTRANODE_TRACE    0                    1: intranode kernels built to stamp their phases (profiling;
                                                read at import; bench/intranode_trace.py).
 EPCOMM_LL_TRACE           0                    1: the same for the low-latency kernels (bench/low_latency_trace.py).
+EPCOMM_INTERNODE_TRACE    0                    1: the same for the internode normal-mode data kernels
+                                               (bench/internode_trace.py).
 """
 from __future__ import annotations
 
@@ -112,6 +114,10 @@ def intranode_trace() -> bool:
 
 def ll_trace() -> bool:
     return _flag("EPCOMM_LL_TRACE")
+
+
+def internode_trace() -> bool:
+    return _flag("EPCOMM_INTERNODE_TRACE")
 
 
 def num_local_ranks() -> Optional[int]:

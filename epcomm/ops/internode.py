@@ -30,11 +30,13 @@ from typing import List, NamedTuple
 
 import torch
 
+from .. import env
 from ..backend import DispatchResult, InternodeHandle, named
 from ..runtime.compiler import KernelSource
 from ..runtime.status import register_op
 from . import internode_plan as plan
 from ._common import INDEX_TYPES, aligned, backend_kernel, host_ints, launch_1d, plan_for, ptr
+from .trace import TraceRows
 
 DISPATCH_OP = register_op("internode dispatch", plan.PHASES)
 COMBINE_OP = register_op("internode combine", plan.PHASES)
@@ -52,13 +54,36 @@ def representative_sources() -> List[KernelSource]:
     return [kernel_source(name) for name in names]
 
 
-def kernel_source(name: str) -> KernelSource:
+def kernel_source(name: str, trace: bool = False) -> KernelSource:
     """The unit that builds one internode kernel (a name from internode_plan: notify_kernel, ...)."""
-    return KernelSource("internode.cu", (name,), uses_nvshmem=True)
+    return KernelSource("internode.cu", (name,), (("EPCOMM_TRACE", 1),) if trace else (), uses_nvshmem=True)
 
 
 def _kernel(gb, name: str):
     return backend_kernel(gb, kernel_source(name))
+
+
+def _data_kernel(gb, name: str, trace: bool):
+    """A data kernel of a plan: the profiling build when the spec says so."""
+    return backend_kernel(gb, kernel_source(name, True)) if trace else _kernel(gb, name)
+
+
+# ---- profiling builds (EPCOMM_INTERNODE_TRACE=1, or set_tracing) -----------------------------
+# Data kernels built with -DEPCOMM_TRACE stamp %globaltimer per (block, warp): per role, the first
+# and last chunk it completed and the count (internode_plan.TRACE_SLOTS); last_trace() returns the
+# latest traced launch's rows. The notify kernel is never traced. The environment is read once, at
+# import (a read per call costs ~2.5 us); set_tracing switches.
+_TRACE = TraceRows(plan.TRACE_WARPS, len(plan.TRACE_SLOTS))
+_tracing_on = env.internode_trace()
+
+
+def set_tracing(on: bool) -> None:
+    """Use the tracing kernel builds from the next call on (bench/internode_trace.py)."""
+    global _tracing_on
+    _tracing_on = bool(on)
+
+
+last_trace = _TRACE.last   # [blocks, TRACE_WARPS, len(TRACE_SLOTS)] of the latest traced launch
 
 
 # ---- checks ----------------------------------------------------------------------------------
@@ -147,6 +172,7 @@ class DispatchSpec(NamedTuple):
     channels: int
     ring: int     # Config.num_max_rdma_chunked_recv_tokens
     chunk: int    # Config.num_max_rdma_chunked_send_tokens
+    trace: bool = False   # the profiling build (set_tracing)
 
 
 class CombineSpec(NamedTuple):
@@ -156,6 +182,7 @@ class CombineSpec(NamedTuple):
     rdma_send: int
     nvl_recv: int
     nvl_send: int
+    trace: bool = False   # the profiling build (set_tracing)
 
 
 class _Plan:
@@ -197,7 +224,7 @@ def _dispatch_plan(gb, spec: DispatchSpec) -> _Plan:
                                    ring=rings.ring, stage=rings.stage, chunk=rings.chunk,
                                    record_bytes=record, num_channels=spec.channels,
                                    num_topk=spec.num_topk, **_fixed_fields(gb, DISPATCH_OP))
-    return _Plan(_kernel(gb, name), layout, template)
+    return _Plan(_data_kernel(gb, name, spec.trace), layout, template)
 
 
 def _combine_plan(gb, spec: CombineSpec) -> _Plan:
@@ -216,7 +243,8 @@ def _combine_plan(gb, spec: CombineSpec) -> _Plan:
         push_bytes=layout.push_bytes, ring=rings.ring, stage=rings.stage, chunk=rings.chunk,
         partial_bytes=layout.partial_bytes, num_channels=spec.channels,
         push_bases=push_table(gb, layout.push_in_nvl).data_ptr(), **_fixed_fields(gb, COMBINE_OP))
-    return _Plan(_kernel(gb, plan.combine_kernel(num_ranks, num_local, spec.row_bytes)), layout, template)
+    return _Plan(_data_kernel(gb, plan.combine_kernel(num_ranks, num_local, spec.row_bytes), spec.trace), layout,
+                 template)
 
 
 # ---- dispatch --------------------------------------------------------------------------------
@@ -225,7 +253,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
              num_worst_tokens, config) -> DispatchResult:
     """Backend.dispatch for ranks over several nodes (arguments validated by Buffer)."""
     what, fresh = "dispatch", handle is None
-    num_ranks, device = gb.num_ranks, gb.device
+    num_ranks, device, trace = gb.num_ranks, gb.device, _tracing_on
     _check_buffer(gb, config, what)
     if fresh and num_worst_tokens == 0 and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{what}: an exact-size dispatch reads the received counts on the host, "
@@ -242,7 +270,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         channels = plan.num_channels(config.num_sms)
         planned = plan_for(gb, DispatchSpec, (row_bytes, num_scales, num_topk, index_type, True, channels,
                                               config.num_max_rdma_chunked_recv_tokens,
-                                              config.num_max_rdma_chunked_send_tokens), _dispatch_plan)
+                                              config.num_max_rdma_chunked_send_tokens, trace), _dispatch_plan)
         _check_notify_fits(gb, num_local_experts, what)
         tables = _notify(gb, is_token_in_rank, num_tokens_per_expert, channels, num_local_experts,
                          num_topk, num_scales, row_bytes)
@@ -268,7 +296,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
         channels = _handle_channels(gb, handle)
         planned = plan_for(gb, DispatchSpec, (row_bytes, num_scales, 0, "int", False, channels,
                                               config.num_max_rdma_chunked_recv_tokens,
-                                              config.num_max_rdma_chunked_send_tokens), _dispatch_plan)
+                                              config.num_max_rdma_chunked_send_tokens, trace), _dispatch_plan)
 
     recv_x = torch.empty((num_out_rows, hidden), dtype=x.dtype, device=device)
     recv_scales = None if x_scales is None else \
@@ -293,7 +321,10 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
     params.num_tokens = num_tokens
     params.tokens_per_channel = plan.tokens_per_channel(num_tokens, channels)
     params.num_local_experts, params.num_out_rows = num_local_experts, num_out_rows
-    launch_1d(gb, planned.kernel, plan.BLOCKS_PER_CHANNEL * channels, plan.THREADS, params)
+    blocks = plan.BLOCKS_PER_CHANNEL * channels
+    if trace:
+        params.trace = _TRACE.zeroed(gb.device_index, blocks)
+    launch_1d(gb, planned.kernel, blocks, plan.THREADS, params)
 
     if not fresh:
         return DispatchResult(recv_x, recv_scales, None, None, None, None)
@@ -358,7 +389,7 @@ def combine(gb, x, handle, topk_weights, bias, config):
     """Backend.combine: unweighted fp32 sum of the rows each token sent out, plus bias (local ranks
     summed per node first, then nodes ascending: epcomm.reference.oracle.combine)."""
     what = "combine"
-    num_ranks, device = gb.num_ranks, gb.device
+    num_ranks, device, trace = gb.num_ranks, gb.device, _tracing_on
     _check_buffer(gb, config, what)
     handle = named(InternodeHandle, handle)
     num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]
@@ -377,7 +408,7 @@ def combine(gb, x, handle, topk_weights, bias, config):
     planned = plan_for(gb, CombineSpec, (hidden * 2, channels, config.num_max_rdma_chunked_recv_tokens,
                                          config.num_max_rdma_chunked_send_tokens,
                                          config.num_max_nvl_chunked_recv_tokens,
-                                         config.num_max_nvl_chunked_send_tokens), _combine_plan)
+                                         config.num_max_nvl_chunked_send_tokens, trace), _combine_plan)
 
     combined_x = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
     combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=device) \
@@ -393,5 +424,8 @@ def combine(gb, x, handle, topk_weights, bias, config):
     params.combined_x, params.combined_weights = ptr(combined_x), ptr(combined_weights)
     params.num_tokens, params.num_topk = num_tokens, num_topk
     params.tokens_per_channel = plan.tokens_per_channel(num_tokens, channels)
-    launch_1d(gb, planned.kernel, plan.BLOCKS_PER_CHANNEL * channels, plan.THREADS, params)
+    blocks = plan.BLOCKS_PER_CHANNEL * channels
+    if trace:
+        params.trace = _TRACE.zeroed(gb.device_index, blocks)
+    launch_1d(gb, planned.kernel, blocks, plan.THREADS, params)
     return combined_x, combined_weights

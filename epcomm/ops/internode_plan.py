@@ -41,6 +41,12 @@ HINT_LOCAL_RANKS = 8
 # ErrorRecord.phase names: the comments of internode_protocol.cuh's `Phase`.
 PHASES = _DECLS.enum_comments("Phase")
 
+# Profiling builds (EPCOMM_INTERNODE_TRACE=1): per (block, warp) slots of internode_protocol.cuh's
+# TraceSlot, u64 each: %globaltimer ns, except the *_chunks / *_rounds slots (counts). Per role,
+# its first and last chunk completed (the enum's comments say what completes a chunk).
+TRACE_WARPS = _DECLS.constant("kTraceWarps")
+TRACE_SLOTS = _DECLS.enum_names("TraceSlot", "kTr")
+
 
 def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
