@@ -72,17 +72,9 @@ def _data_kernel(gb, name: str, trace: bool):
 # Data kernels built with -DEPCOMM_TRACE stamp %globaltimer per (block, warp): per role, the first
 # and last chunk it completed and the count (internode_plan.TRACE_SLOTS); last_trace() returns the
 # latest traced launch's rows. The notify kernel is never traced. The environment is read once, at
-# import (a read per call costs ~2.5 us); set_tracing switches.
-_TRACE = TraceRows(plan.TRACE_WARPS, len(plan.TRACE_SLOTS))
-_tracing_on = env.internode_trace()
-
-
-def set_tracing(on: bool) -> None:
-    """Use the tracing kernel builds from the next call on (bench/internode_trace.py)."""
-    global _tracing_on
-    _tracing_on = bool(on)
-
-
+# import (ops/trace.py); set_tracing switches.
+_TRACE = TraceRows(plan.TRACE_WARPS, len(plan.TRACE_SLOTS), on=env.internode_trace())
+set_tracing = _TRACE.set_on   # bench/internode_trace.py
 last_trace = _TRACE.last   # [blocks, TRACE_WARPS, len(TRACE_SLOTS)] of the latest traced launch
 
 
@@ -253,7 +245,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
              num_worst_tokens, config) -> DispatchResult:
     """Backend.dispatch for ranks over several nodes (arguments validated by Buffer)."""
     what, fresh = "dispatch", handle is None
-    num_ranks, device, trace = gb.num_ranks, gb.device, _tracing_on
+    num_ranks, device, trace = gb.num_ranks, gb.device, _TRACE.on
     _check_buffer(gb, config, what)
     if fresh and num_worst_tokens == 0 and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{what}: an exact-size dispatch reads the received counts on the host, "
@@ -389,7 +381,7 @@ def combine(gb, x, handle, topk_weights, bias, config):
     """Backend.combine: unweighted fp32 sum of the rows each token sent out, plus bias (local ranks
     summed per node first, then nodes ascending: epcomm.reference.oracle.combine)."""
     what = "combine"
-    num_ranks, device, trace = gb.num_ranks, gb.device, _tracing_on
+    num_ranks, device, trace = gb.num_ranks, gb.device, _TRACE.on
     _check_buffer(gb, config, what)
     handle = named(InternodeHandle, handle)
     num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]

@@ -58,17 +58,9 @@ def _kernel(gb, name: str, trace: bool):
 # ---- profiling mode (EPCOMM_INTRANODE_TRACE=1) -----------------------------------------------
 # Kernels built with -DEPCOMM_TRACE stamp %globaltimer per warp and phase into a device
 # buffer (slots: intranode_plan.TRACE_SLOTS); last_trace() returns the latest launch's stamps.
-# The environment is read once, at import (a read per call costs ~2.5 us); set_tracing switches.
-_TRACE = TraceRows(plan.TRACE_WARPS, len(plan.TRACE_SLOTS))
-_tracing_on = env.intranode_trace()
-
-
-def set_tracing(on: bool) -> None:
-    """Use the tracing kernel builds from the next call on (bench/intranode_trace.py)."""
-    global _tracing_on
-    _tracing_on = bool(on)
-
-
+# The environment is read once, at import (ops/trace.py); set_tracing switches.
+_TRACE = TraceRows(plan.TRACE_WARPS, len(plan.TRACE_SLOTS), on=env.intranode_trace())
+set_tracing = _TRACE.set_on   # bench/intranode_trace.py
 last_trace = _TRACE.last   # [blocks, TRACE_WARPS, len(TRACE_SLOTS)] of the latest traced launch
 
 
@@ -154,7 +146,7 @@ def dispatch(gb, x, x_scales, handle, num_tokens_per_rank, num_tokens_per_rdma_r
              num_worst_tokens, config) -> DispatchResult:
     """Backend.dispatch for ranks in one NVLink domain (arguments validated by Buffer)."""
     what = "dispatch"
-    num_ranks, device, trace = gb.num_ranks, gb.device, _tracing_on
+    num_ranks, device, trace = gb.num_ranks, gb.device, _TRACE.on
     x = aligned(x)
     num_tokens, hidden = x.shape
     row_bytes = hidden * x.element_size()
@@ -268,7 +260,7 @@ def _read_counts(gb, info, chunks, num_local_experts, expert_alignment, planned,
 # ---- combine ---------------------------------------------------------------------------------
 def combine(gb, x, handle, topk_weights, bias, config):
     """Backend.combine: unweighted fp32 sum of the rows each token sent out, plus bias."""
-    device, trace = gb.device, _tracing_on
+    device, trace = gb.device, _TRACE.on
     rank_prefix, channel_prefix, recv_channel_prefix, _, is_token_in_rank, send_head = handle
     x, topk_weights = aligned(x.contiguous()), aligned(topk_weights)
     bias0, bias1 = bias
@@ -340,7 +332,7 @@ def cached_dispatch_runner(gb, x, x_scales, handle, config, poison, general):
     and while tracing."""
     num_tokens, hidden = x.shape
     num_out_rows, chunks = handle[3].shape[0], handle[1].shape[1] - 1
-    if num_tokens == 0 or num_out_rows == 0 or _tracing_on:
+    if num_tokens == 0 or num_out_rows == 0 or _TRACE.on:
         return None
     num_scales = 0 if x_scales is None else x_scales.shape[1]
     dtype, trace, device = x.dtype, False, gb.device
@@ -356,7 +348,7 @@ def cached_dispatch_runner(gb, x, x_scales, handle, config, poison, general):
     device_index, fills = gb.device_index, _Fills(poison)
 
     def run(x, x_scales, handle):
-        if _tracing_on:
+        if _TRACE.on:
             return general(x, x_scales, handle, None, None, None, None, None, None, 1, 0, config)
         params.x, x = _pointer(x)
         rank_prefix, channel_prefix, recv_channel_prefix, _, _, send_head = handle
@@ -383,7 +375,7 @@ def combine_runner(gb, x, handle, topk_weights, bias, config, poison, general):
     this call's signature; None for empty inputs or outputs."""
     num_tokens, hidden = handle[4].shape[0], x.shape[1]
     chunks = handle[1].shape[1] - 1
-    if num_tokens == 0 or x.shape[0] == 0 or _tracing_on:
+    if num_tokens == 0 or x.shape[0] == 0 or _TRACE.on:
         return None
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
     trace, device, device_index = False, gb.device, gb.device_index
@@ -397,7 +389,7 @@ def combine_runner(gb, x, handle, topk_weights, bias, config, poison, general):
     fills = _Fills(poison)
 
     def run(x, handle, topk_weights, bias0, bias1):
-        if _tracing_on:
+        if _TRACE.on:
             return general(x, handle, topk_weights, (bias0, bias1), config)
         # realigned copies are held in locals until the launch is queued (as `aligned` callers do)
         params.x, x = _pointer(x)

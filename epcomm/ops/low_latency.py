@@ -59,7 +59,7 @@ def combine_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int,
 # ---- profiling builds (EPCOMM_LL_TRACE=1, or set_tracing) ------------------------------------
 # Kernels built with -DEPCOMM_TRACE stamp %globaltimer per (block, warp) at the phase ends named
 # here (cuda_src/low_latency_protocol.cuh, TraceSlot); last_trace() returns the latest launch's.
-# The environment is read once, at import (a read per call costs ~2.5 us); set_tracing switches.
+# The environment is read once, at import (ops/trace.py); set_tracing switches.
 TRACE_SLOTS = _DECLS.enum_names("TraceSlot", "kTr")
 TRACE_MEANING = {"dispatch": {"send_a": "messages sent", "send_b": "lists sent",
                               "recv_ready": "first pair's lists ready", "aux_a": "first message's stores issued",
@@ -69,15 +69,9 @@ TRACE_MEANING = {"dispatch": {"send_a": "messages sent", "send_b": "lists sent",
                              "recv_ready": "first token's partials ready", "aux_a": "group's first item ready",
                              "aux_b": "group's first sum stored", "aux_c": "last flush started",
                              "count": "items the group sent"}}
-_tracing_on = env.ll_trace()
-_TRACE = TraceRows(THREADS // 32, len(TRACE_SLOTS))
+_TRACE = TraceRows(THREADS // 32, len(TRACE_SLOTS), on=env.ll_trace())
 last_trace = _TRACE.last   # [blocks, warps, len(TRACE_SLOTS)] of the latest traced launch
-
-
-def set_tracing(on: bool) -> None:
-    """Use the tracing kernel builds from the next call on (bench/low_latency_trace.py)."""
-    global _tracing_on
-    _tracing_on = bool(on)
+set_tracing = _TRACE.set_on   # bench/low_latency_trace.py
 
 
 def representative_sources() -> List[KernelSource]:
@@ -307,7 +301,7 @@ class LowLatency:
         T, E = num_max_dispatch_tokens_per_rank, num_experts
         N, H = x.shape
         key = (T, H, E, topk_idx.shape[1], use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0,
-               topk_idx.dtype, _tracing_on)
+               topk_idx.dtype, _TRACE.on)
         plan = plan_for(self.gb, DispatchSpec, key, self._dispatch_plan)
         buffer_set = self._set_for_call(plan)
         params, stream = plan.params[buffer_set], current_stream(self._device_index)
@@ -371,7 +365,7 @@ class LowLatency:
                                       "payload is not implemented; use BF16 (use_logfmt=False)")
         src_info, layout_range, T, H, E = handle
         N, K = topk_idx.shape
-        plan = plan_for(self.gb, CombineSpec, (T, H, E, K, topk_idx.dtype, _tracing_on), self._combine_plan)
+        plan = plan_for(self.gb, CombineSpec, (T, H, E, K, topk_idx.dtype, _TRACE.on), self._combine_plan)
         buffer_set = self._set_for_call(plan)
         params, stream = plan.params[buffer_set], current_stream(self._device_index)
         if out is None:
@@ -425,7 +419,7 @@ class LowLatency:
     def dispatch_runner(self, N, H, K, index_dtype, T, E, use_fp8, round_scale, use_ue8m0, poison, general):
         """run(x, topk_idx, cumulative_stats, wait_stats) -> LowLatencyDispatchResult (no hook);
         None while tracing."""
-        if _tracing_on:
+        if _TRACE.on:
             return None
         key = (T, H, E, K, use_fp8, use_fp8 and round_scale, use_fp8 and use_ue8m0, index_dtype, False)
         plan, params, launches = self._runner_plan(DispatchSpec, key, self._dispatch_plan)
@@ -437,7 +431,7 @@ class LowLatency:
         empty, i32, i64, new_tuple = torch.empty, torch.int32, torch.int64, tuple.__new__
 
         def run(x, topk_idx, cumulative, wait_stats):
-            if _tracing_on:
+            if _TRACE.on:
                 return general(x, topk_idx, T, E, cumulative, wait_stats, use_fp8, round_scale, use_ue8m0, False)
             if signal_shape != self.signal_shape:
                 self._check_signals(signal_shape, H)
@@ -477,7 +471,7 @@ class LowLatency:
     def combine_runner(self, N, K, index_dtype, T, H, E, poison, general):
         """run(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats) -> combined_x (no hook);
         None while tracing."""
-        if _tracing_on:
+        if _TRACE.on:
             return None
         plan, params, launches = self._runner_plan(CombineSpec, (T, H, E, K, index_dtype, False), self._combine_plan)
         for p in params:
@@ -486,7 +480,7 @@ class LowLatency:
         signal_shape, zero_copy_x, bf16 = plan.signal_shape, plan.zero_copy_x, torch.bfloat16
 
         def run(x, topk_idx, topk_weights, handle, zero_copy, out, wait_stats):
-            if _tracing_on:
+            if _TRACE.on:
                 return general(x, topk_idx, topk_weights, handle, False, zero_copy, False, out, wait_stats)[0]
             if signal_shape != self.signal_shape:
                 self._check_signals(signal_shape, H)

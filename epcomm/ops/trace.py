@@ -9,9 +9,17 @@ import torch
 
 
 class TraceRows:
-    def __init__(self, warps: int, slots: int):
-        self.warps, self.slots = warps, slots
+    """`on`: whether the family's calls use its profiling builds; read by every call, so the
+    environment switch is read once (at import: a read per call costs ~2.5 us) and set_on()
+    switches it (the bench's trace scripts)."""
+
+    def __init__(self, warps: int, slots: int, on: bool):
+        self.warps, self.slots, self.on = warps, slots, bool(on)
         self._buffers: Dict[int, Tuple[torch.Tensor, int]] = {}   # device index -> (buffer, blocks of the last launch)
+
+    def set_on(self, on: bool) -> None:
+        """Use the profiling builds from the next call on (or not)."""
+        self.on = bool(on)
 
     def zeroed(self, device_index: int, blocks: int) -> int:
         """Zeroed rows for a launch of `blocks` blocks on this device (queued on its current

@@ -284,11 +284,11 @@ def test_no_runner_is_made_while_a_profiling_build_is_on(stand_in, monkeypatch):
     buf = stand_in(num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(16, 256, 1, 8), low_latency_mode=True)
     x, topk_idx = torch.randn(5, 256).bfloat16(), torch.randint(0, 8, (5, 4))
     gb = buf._backend
-    monkeypatch.setattr(low_latency, "_tracing_on", True)
+    monkeypatch.setattr(low_latency._TRACE, "on", True)
     assert gb.low_latency_dispatch_runner(x, topk_idx, 16, 8, False, False, False) is None
     handle = (torch.zeros(8, 16, dtype=torch.int32), torch.zeros(8, 1, dtype=torch.int64), 16, 256, 8)
     assert gb.low_latency_combine_runner(topk_idx, handle) is None
-    monkeypatch.setattr(intranode, "_tracing_on", True)
+    monkeypatch.setattr(intranode._TRACE, "on", True)
     normal = stand_in(num_nvl_bytes=1 << 24)
     i32 = lambda *shape: torch.zeros(shape, dtype=torch.int32)
     intranode_handle = (i32(1, 1), i32(1, 3), i32(1, 3), i32(5), torch.ones(5, 1, dtype=torch.bool), i32(5, 1))
