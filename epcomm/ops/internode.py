@@ -36,7 +36,7 @@ from ..runtime.compiler import KernelSource
 from ..runtime.status import register_op
 from . import internode_plan as plan
 from ._common import INDEX_TYPES, aligned, backend_kernel, host_ints, launch_1d, plan_for, ptr
-from .trace import TraceRows
+from .trace import TraceRows, trace_defines
 
 DISPATCH_OP = register_op("internode dispatch", plan.PHASES)
 COMBINE_OP = register_op("internode combine", plan.PHASES)
@@ -56,16 +56,11 @@ def representative_sources() -> List[KernelSource]:
 
 def kernel_source(name: str, trace: bool = False) -> KernelSource:
     """The unit that builds one internode kernel (a name from internode_plan: notify_kernel, ...)."""
-    return KernelSource("internode.cu", (name,), (("EPCOMM_TRACE", 1),) if trace else (), uses_nvshmem=True)
+    return KernelSource("internode.cu", (name,), trace_defines(trace), uses_nvshmem=True)
 
 
-def _kernel(gb, name: str):
-    return backend_kernel(gb, kernel_source(name))
-
-
-def _data_kernel(gb, name: str, trace: bool):
-    """A data kernel of a plan: the profiling build when the spec says so."""
-    return backend_kernel(gb, kernel_source(name, True)) if trace else _kernel(gb, name)
+def _kernel(gb, name: str, trace: bool = False):
+    return backend_kernel(gb, kernel_source(name, trace))
 
 
 # ---- profiling builds (EPCOMM_INTERNODE_TRACE=1, or set_tracing) -----------------------------
@@ -216,7 +211,7 @@ def _dispatch_plan(gb, spec: DispatchSpec) -> _Plan:
                                    ring=rings.ring, stage=rings.stage, chunk=rings.chunk,
                                    record_bytes=record, num_channels=spec.channels,
                                    num_topk=spec.num_topk, **_fixed_fields(gb, DISPATCH_OP))
-    return _Plan(_data_kernel(gb, name, spec.trace), layout, template)
+    return _Plan(_kernel(gb, name, spec.trace), layout, template)
 
 
 def _combine_plan(gb, spec: CombineSpec) -> _Plan:
@@ -235,7 +230,7 @@ def _combine_plan(gb, spec: CombineSpec) -> _Plan:
         push_bytes=layout.push_bytes, ring=rings.ring, stage=rings.stage, chunk=rings.chunk,
         partial_bytes=layout.partial_bytes, num_channels=spec.channels,
         push_bases=push_table(gb, layout.push_in_nvl).data_ptr(), **_fixed_fields(gb, COMBINE_OP))
-    return _Plan(_data_kernel(gb, plan.combine_kernel(num_ranks, num_local, spec.row_bytes), spec.trace), layout,
+    return _Plan(_kernel(gb, plan.combine_kernel(num_ranks, num_local, spec.row_bytes), spec.trace), layout,
                  template)
 
 

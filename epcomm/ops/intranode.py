@@ -28,7 +28,7 @@ from ..runtime.compiler import KernelSource
 from ..runtime.status import register_op
 from . import intranode_plan as plan
 from ._common import INDEX_TYPES, aligned, backend_kernel, host_ints, launch_1d, plan_for, ptr, current_stream
-from .trace import TraceRows
+from .trace import TraceRows, trace_defines
 
 DISPATCH_OP = register_op("intranode dispatch", plan.PHASES)
 COMBINE_OP = register_op("intranode combine", plan.PHASES)
@@ -48,7 +48,7 @@ def representative_sources() -> List[KernelSource]:
 
 def kernel_source(name: str, trace: bool = False) -> KernelSource:
     """The unit that builds one intranode kernel (a name from intranode_plan: notify_kernel, ...)."""
-    return KernelSource("intranode.cu", (name,), (("EPCOMM_TRACE", 1),) if trace else ())
+    return KernelSource("intranode.cu", (name,), trace_defines(trace))
 
 
 def _kernel(gb, name: str, trace: bool):

@@ -21,7 +21,7 @@ from ..backend import LowLatencyDispatchResult, LowLatencyHandle
 from ..runtime import cuda_decls
 from ..runtime.compiler import KernelSource
 from ._common import INDEX_TYPES, backend_kernel, current_stream, plan_for, ptr
-from .trace import TraceRows
+from .trace import TraceRows, trace_defines
 from .low_latency_layout import MAX_TOPK, THREADS, Layout, dispatch_smem_bytes
 
 
@@ -35,10 +35,6 @@ CombineParams = _DECLS.struct("CombineParams")
 
 
 # ---- kernel specialisations --------------------------------------------------------------------
-def _trace_defines(trace: bool) -> tuple:
-    return (("EPCOMM_TRACE", 1),) if trace else ()
-
-
 def dispatch_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int, num_max_tokens: int,
                     use_fp8: bool, round_scale: bool, use_ue8m0: bool, index_dtype=torch.int64,
                     trace: bool = False) -> KernelSource:
@@ -46,14 +42,14 @@ def dispatch_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int
     kernel = (f"epcomm::ll::dispatch_kernel<{hidden}, {num_topk}, {num_ranks}, {num_experts}, {num_max_tokens}, "
               f"{b(use_fp8)}, {b(use_fp8 and round_scale)}, {b(use_fp8 and use_ue8m0)}, "
               f"{INDEX_TYPES[index_dtype]}, {THREADS}>")
-    return KernelSource("low_latency.cu", (kernel,), _trace_defines(trace), uses_nvshmem=True)
+    return KernelSource("low_latency.cu", (kernel,), trace_defines(trace), uses_nvshmem=True)
 
 
 def combine_source(hidden: int, num_topk: int, num_ranks: int, num_experts: int, num_max_tokens: int,
                    index_dtype=torch.int64, trace: bool = False) -> KernelSource:
     kernel = (f"epcomm::ll::combine_kernel<{hidden}, {num_topk}, {num_ranks}, {num_experts}, {num_max_tokens}, "
               f"{INDEX_TYPES[index_dtype]}, {THREADS}>")
-    return KernelSource("low_latency.cu", (kernel,), _trace_defines(trace), uses_nvshmem=True)
+    return KernelSource("low_latency.cu", (kernel,), trace_defines(trace), uses_nvshmem=True)
 
 
 # ---- profiling builds (EPCOMM_LL_TRACE=1, or set_tracing) ------------------------------------

@@ -8,6 +8,11 @@ from typing import Dict, Optional, Tuple
 import torch
 
 
+def trace_defines(trace: bool) -> tuple:
+    """The KernelSource defines of a family's profiling build (-DEPCOMM_TRACE), or none."""
+    return (("EPCOMM_TRACE", 1),) if trace else ()
+
+
 class TraceRows:
     """`on`: whether the family's calls use its profiling builds; read by every call, so the
     environment switch is read once (at import: a read per call costs ~2.5 us) and set_on()

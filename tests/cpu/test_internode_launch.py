@@ -23,7 +23,7 @@ def launches(monkeypatch):
     """[(kernel name, grid, Params)] of every launch; exact-mode host reads answered from the
     notify call's inputs (as the GPU would: N max, rank prefix, expert counts of this rank)."""
     calls = []
-    monkeypatch.setattr(internode, "_kernel", lambda gb, name: name)
+    monkeypatch.setattr(internode, "_kernel", lambda gb, name, trace=False: name)
     monkeypatch.setattr(internode, "launch_1d", lambda gb, kernel, grid, threads, params:
                         calls.append((kernel, grid, params)))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
