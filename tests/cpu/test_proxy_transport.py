@@ -61,7 +61,14 @@ def test_verdicts_from_the_logs():
     amo = ("nvshmemt_ucx_local_amo: AMO 8 not supported with the current configuration (GDRCopy Disabled)\n"
            "process_channel_amo: aborting\n")
     status, line = pt.verdict(False, [amo, ""])
-    assert status == 1 and "remote atomics" in line and "AMO 8 not supported" in line, line
+    assert status == 1 and "remote atomic" in line and "AMO 8 not supported" in line, line
+    in_malloc = "proxy step: nvshmem_malloc: begun\n" + amo
+    status, line = pt.verdict(False, [in_malloc, ""])
+    assert status == 1 and "NVSHMEM's own nvshmem_malloc aborted before any epcomm kernel" in line, line
+    allocated = ("proxy step: nvshmem_malloc: begun\nproxy step: nvshmem_malloc: returned\n"
+                 "proxy step: nvshmem_free: begun\nproxy step: nvshmem_free: returned\n") + amo
+    status, line = pt.verdict(False, [allocated, ""])
+    assert status == 1 and "before any epcomm kernel" not in line and "AMO 8" in line, line
     status, line = pt.verdict(False, [passed, "F\n1 failed, 9 passed in 3.0s\n"])
     assert (status, line) == (1, "VERDICT: FAIL: rank 1: 1 failed, 9 passed in 3.0s"), line
 

@@ -90,12 +90,21 @@ def ucx_devices(ucx: str, env: Dict[str, str]) -> Tuple[bool, str]:
 
 # Markers in the ranks' logs, most telling first: (regex, verdict).
 FAILURE_MARKERS = [
-    (r"AMO \d+ not supported[^\n]*", "the RDMA stage uses NVSHMEM remote atomics (signals / AMOs), which the UCX "
+    (r"AMO \d+ not supported[^\n]*", "an NVSHMEM remote atomic (signal / AMO) in a transfer, which the UCX "
                                      "transport without GDRCopy refuses"),
     (r"GDRCopy[^\n]*", "NVSHMEM needs GDRCopy for this transport"),
     (r"(?:nvshmem|NVSHMEM)[^\n]*(?:transport|ucx)[^\n]*(?:fail|error)[^\n]*", "NVSHMEM's UCX transport did not come up"),
     (r"PeerTimeout[^\n]*", "a wait ran out (data or signal never arrived over the proxy)"),
 ]
+
+
+def unfinished_step(log_text: str) -> Optional[str]:
+    """The step of test_symmetric_allocation_over_the_proxy begun and never returned (the log's
+    `proxy step: NAME: begun|returned` lines), if any."""
+    state: Dict[str, str] = {}
+    for name, said in re.findall(r"^proxy step: (\S+): (begun|returned)$", log_text, re.M):
+        state[name] = said
+    return next((name for name, said in state.items() if said == "begun"), None)
 
 
 def verdict(session_ok: bool, logs: List[str]) -> Tuple[int, str]:
@@ -111,6 +120,12 @@ def verdict(session_ok: bool, logs: List[str]) -> Tuple[int, str]:
         reasons = skip_reasons(logs[0])
         return 2, f"VERDICT: NOT RUN: {summaries[0]}; skipped: {'; '.join(reasons) or 'no reason printed'}"
     text = "\n".join(logs)
+    unfinished = unfinished_step(text)
+    amo = re.search(r"AMO (\d+) not supported[^\n]*", text)
+    if unfinished and amo:
+        return 1, (f"VERDICT: FAIL: NVSHMEM's own {unfinished} aborted before any epcomm kernel ran: its "
+                   f"barrier signals a PE that P2P cannot reach with a remote atomic (AMO {amo.group(1)}), "
+                   f"which the UCX transport applies only with GDRCopy: `{amo.group(0).strip()[:200]}`")
     for pattern, meaning in FAILURE_MARKERS:
         found = re.search(pattern, text)
         if found:

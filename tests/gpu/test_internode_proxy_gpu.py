@@ -11,11 +11,13 @@ bit-exact (helpers round_trip_want).
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
 import epcomm
+from epcomm.runtime.nvshmem import Nvshmem
 from tests import topology
 from tests.helpers.gpu import check, dev, run_dispatch
 from tests.helpers.gpu import expected_dispatch as expected
@@ -29,6 +31,28 @@ HIDDEN = 7168
 EXPERTS = topology.experts(256, topology.world_size())
 # What the harness sets; the test refuses to pass under anything else.
 TRANSPORT_ENV = {"NVSHMEM_REMOTE_TRANSPORT": "ucx", "NVSHMEM_DISABLE_P2P": "1"}
+# Step markers written straight to the log: NVSHMEM ends the process on a transport error, so
+# pytest's report never comes; tests/gpu/proxy_transport.py reads the last step begun.
+ALLOCATION_STEPS = ("nvshmem_malloc", "nvshmem_free")
+
+
+def _mark(step: str, state: str) -> None:
+    sys.__stderr__.write(f"proxy step: {step}: {state}\n")
+    sys.__stderr__.flush()
+
+
+def test_symmetric_allocation_over_the_proxy(dist_env):
+    """NVSHMEM's own collective allocation before any epcomm kernel: nvshmem_malloc and nvshmem_free
+    end / begin with NVSHMEM's barrier, whose signals to a PE that is not reachable over P2P go
+    through the proxy as remote atomics. Runs first, so an abort there is told apart from one in
+    epcomm's kernels."""
+    world = Nvshmem.init(dist_env.group, dist_env.device.index)
+    _mark("nvshmem_malloc", "begun")
+    ptr = world.malloc(1 << 20)
+    _mark("nvshmem_malloc", "returned")
+    _mark("nvshmem_free", "begun")
+    world.free(ptr)
+    _mark("nvshmem_free", "returned")
 
 
 @pytest.fixture(scope="module")
