@@ -73,6 +73,13 @@ class Layout:
     def thread_percentage(self) -> int:
         return 100 // (self.ranks_per_gpu * self.jobs)
 
+    def host_threads(self, cpus: int) -> int:
+        """torch's CPU threads per rank (OMP_NUM_THREADS): the host's cores split among every
+        process of every job, as torchrun's default of 1 does for a GPU each: every rank builds
+        the oracle's inputs on the CPU, and R x J ranks each starting one OpenMP thread per core
+        would oversubscribe the host R x J times."""
+        return max(1, cpus // (self.world_size * self.jobs))
+
     def gpu_of(self, rank: int) -> int:
         return rank // self.ranks_per_gpu
 
@@ -203,6 +210,7 @@ def launch(layout: Layout, pytest_args: List[str], log_dir: str, extra_env: Dict
     os.makedirs(log_dir, exist_ok=True)
     for rank in range(layout.world_size):
         env = dict(os.environ, **SAFE_ENV, **extra_env, **layout.rank_env(rank, port, job))
+        env.setdefault("OMP_NUM_THREADS", str(layout.host_threads(os.cpu_count() or 1)))
         if not layout.sm_partition:
             env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)   # nor one inherited from the caller
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else ROOT

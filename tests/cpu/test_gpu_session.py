@@ -209,3 +209,19 @@ def test_native_output_reaches_the_rank_log(tmp_path):
     jobs = [gs.launch(gs.Layout(1, 1), ["-q", "-p", "no:cacheprovider", str(test_file)], str(logs), {})]
     assert gs.wait_all(jobs, str(logs / "rank0.log"), timeout=60) == [[255]]
     assert "native fatal error" in (logs / "rank0.log").read_text()
+
+
+def test_host_threads_split_the_cores(monkeypatch, tmp_path):
+    """Every rank of every job gets OMP_NUM_THREADS = cores // processes (at least 1); a caller's
+    own setting wins."""
+    assert gs.Layout(1, 8, jobs=2).host_threads(16) == 1
+    assert gs.Layout(1, 2).host_threads(16) == 8
+    assert gs.Layout(2, 8, jobs=3).host_threads(16) == 1
+    monkeypatch.setattr(gs.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(gs.subprocess, "Popen", lambda cmd, env, **kw: env)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    envs = [proc for proc, _ in gs.launch(gs.Layout(1, 4), ["-q"], str(tmp_path), {})]
+    assert [e["OMP_NUM_THREADS"] for e in envs] == ["4"] * 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    envs = [proc for proc, _ in gs.launch(gs.Layout(1, 4), ["-q"], str(tmp_path), {})]
+    assert [e["OMP_NUM_THREADS"] for e in envs] == ["3"] * 4
