@@ -1,8 +1,5 @@
 """Does internode normal mode pipeline its chunks? One traced dispatch and combine per case.
 
-Not yet run on a GPU: written against the trace builds, which so far only compiled and linked
-(tests/compile/test_internode_compile.py); the figures and verdicts it prints have not been seen.
-
 Ranks are M nodes of EPCOMM_NUM_LOCAL_RANKS ranks (1 when unset: every rank its own node, so every
 transfer between ranks is the RDMA stage). Two ways to run it on the GPU machine:
     python -m bench.internode_trace --ranks 4 [--out DIR]
@@ -155,6 +152,7 @@ def worker(args) -> None:
                     print(f"  rank {r['rank']} {line}", flush=True)
             results.extend(gathered)
     if rank == 0 and args.out:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "internode_trace.json"), "w") as f:
             json.dump(results, f, indent=1)
     dist.barrier()

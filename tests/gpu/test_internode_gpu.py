@@ -36,8 +36,8 @@ from tests import topology
 from tests.conftest import on_all_ranks
 from tests.helpers.gpu import Inputs, check, dev, row_diff, run_dispatch
 from tests.helpers.gpu import expected_dispatch as expected
-from tests.helpers.internode import (combine_errors, dispatch_errors, inputs_for, oracle_round_trip,
-                                     round_trip_exact_errors)
+from tests.helpers.internode import (combine_errors, dispatch_errors, inputs_for, lay_out,
+                                     oracle_round_trip, round_trip_exact_errors)
 
 pytestmark = pytest.mark.gpu
 HIDDEN = 7168
@@ -91,7 +91,7 @@ def warm_kernels(dist_env, buf, inputs) -> None:
     dist_env.barrier()
 
 
-_SCALE_INPUTS = {}   # (profile, L) -> every rank's inputs: the BF16 and FP8 cases of a profile share them
+_SCALE_INPUTS = {}   # profile -> (L laid out for, every rank's inputs): BF16, FP8 and every L share them
 
 
 def ring_bytes(config, world: int, local: int, hidden: int = HIDDEN) -> int:
@@ -188,14 +188,18 @@ def test_round_trip_with_gpu_layout(dist_env, setup):
 # ---- any N through the fixed-size buffer ------------------------------------------------------------
 def scale_inputs(dist_env, local: int, profile: str) -> List[Inputs]:
     """Every rank's inputs (BF16 rows and their FP8 cast) for a token profile, H = 7168, K = 8,
-    E = 256 scaled to R; only the latest profile is kept (16384 tokens of 8 ranks are 1.9 GB)."""
-    key = (profile, local)
-    if key not in _SCALE_INPUTS:
+    E = 256 scaled to R; only the latest profile is kept (16384 tokens of 8 ranks are 1.9 GB), and
+    kept across L (only the layout depends on it)."""
+    if profile not in _SCALE_INPUTS:
         _SCALE_INPUTS.clear()
         ns = topology.tokens_by_rank(profile, dist_env.world_size)
-        _SCALE_INPUTS[key] = inputs_for(dist_env, local, ns, seed=300 + topology.TOKEN_PROFILES.index(profile),
-                                        hidden=HIDDEN, num_experts=_e(256), num_topk=8, fp8=True)
-    return _SCALE_INPUTS[key]
+        seed = 300 + topology.TOKEN_PROFILES.index(profile)
+        _SCALE_INPUTS[profile] = (local, inputs_for(dist_env, local, ns, seed=seed, hidden=HIDDEN,
+                                                    num_experts=_e(256), num_topk=8, fp8=True))
+    laid_out_for, inputs = _SCALE_INPUTS[profile]
+    if laid_out_for != local:
+        _SCALE_INPUTS[profile] = (local, lay_out(inputs, _e(256), local))
+    return inputs
 
 
 SCALE_CASES = [(profile, fp8) for profile in topology.TOKEN_PROFILES for fp8 in (False, True)]

@@ -32,8 +32,7 @@ EXPERTS = topology.experts(256, topology.world_size())
 # What the harness sets; the test refuses to pass under anything else.
 TRANSPORT_ENV = {"NVSHMEM_REMOTE_TRANSPORT": "ucx", "NVSHMEM_DISABLE_P2P": "1"}
 # Step markers written straight to the log: NVSHMEM ends the process on a transport error, so
-# pytest's report never comes; tests/gpu/proxy_transport.py reads the last step begun.
-ALLOCATION_STEPS = ("nvshmem_malloc", "nvshmem_free")
+# pytest's report never comes; tests/gpu/proxy_transport.py reads the step begun and not returned.
 
 
 def _mark(step: str, state: str) -> None:
@@ -42,11 +41,13 @@ def _mark(step: str, state: str) -> None:
 
 
 def test_symmetric_allocation_over_the_proxy(dist_env):
-    """NVSHMEM's own collective allocation before any epcomm kernel: nvshmem_malloc and nvshmem_free
-    end / begin with NVSHMEM's barrier, whose signals to a PE that is not reachable over P2P go
-    through the proxy as remote atomics. Runs first, so an abort there is told apart from one in
-    epcomm's kernels."""
+    """NVSHMEM's own start-up and collective allocation, before any epcomm kernel: its initialisation,
+    nvshmem_malloc and nvshmem_free each run NVSHMEM's barrier, whose signals to a PE that P2P
+    cannot reach go through the proxy as remote atomics. Runs first, so an abort there is told
+    apart from one in epcomm's kernels."""
+    _mark("nvshmem_init", "begun")
     world = Nvshmem.init(dist_env.group, dist_env.device.index)
+    _mark("nvshmem_init", "returned")
     _mark("nvshmem_malloc", "begun")
     ptr = world.malloc(1 << 20)
     _mark("nvshmem_malloc", "returned")

@@ -4,6 +4,9 @@ dispatch, bit-exact row comparison with the first differing row named, and the d
 an Inputs' layout."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import os
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -48,9 +51,36 @@ def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_experts:
                   oracle.layout(topk_idx.long(), num_experts, num_ranks, num_ranks))
 
 
+# Above this many elements in the largest rank's rows, ranks on one host share their inputs.
+SHARED_INPUT_ELEMENTS = 1 << 26
+
+
 def all_inputs(dist_env, n_by_rank, **kw) -> List[Inputs]:
-    return [make_inputs(rank=r, num_tokens=n_by_rank[r], num_ranks=dist_env.world_size, **kw)
-            for r in range(dist_env.world_size)]
+    """Every rank's make_inputs (rank r: n_by_rank[r] tokens). Every rank calls it with the same
+    arguments. Large inputs of ranks on one host (tests.gpu_session: ranks sharing GPUs) are
+    built once: each rank builds its own and memory-maps the others' from files, instead of
+    R ranks each building all R (minutes of CPU at R = 8, N = 16384, H = 7168)."""
+    world = dist_env.world_size
+    if not dist_env.shared_gpu or max(n_by_rank) * kw["hidden"] < SHARED_INPUT_ELEMENTS:
+        return [make_inputs(rank=r, num_tokens=n_by_rank[r], num_ranks=world, **kw) for r in range(world)]
+    return _shared_inputs(dist_env, n_by_rank, kw)
+
+
+def _shared_inputs(dist_env, n_by_rank, kw) -> List[Inputs]:
+    import tempfile
+    folder = os.path.join(tempfile.gettempdir(), f"epcomm-test-inputs-{os.environ.get('MASTER_PORT', 'local')}")
+    os.makedirs(folder, exist_ok=True)
+    tag = hashlib.sha1(repr((list(n_by_rank), sorted(kw.items()))).encode()).hexdigest()[:16]
+    path = lambda r: os.path.join(folder, f"{tag}-rank{r}.pt")   # noqa: E731
+    mine = make_inputs(rank=dist_env.rank, num_tokens=n_by_rank[dist_env.rank], num_ranks=dist_env.world_size, **kw)
+    torch.save(dataclasses.asdict(mine), path(dist_env.rank) + ".tmp")
+    os.replace(path(dist_env.rank) + ".tmp", path(dist_env.rank))
+    dist_env.barrier()   # every rank's file is complete
+    out = [mine if r == dist_env.rank else Inputs(**torch.load(path(r), mmap=True, weights_only=True))
+           for r in range(dist_env.world_size)]
+    dist_env.barrier()   # every rank has mapped every file: the names can go (the pages stay mapped)
+    os.unlink(path(dist_env.rank))
+    return out
 
 
 def dev(t, device):

@@ -8,19 +8,22 @@ from typing import List
 import torch
 
 from epcomm.reference import oracle
-from tests.helpers.gpu import (Inputs, combine_inputs, dev, expected_dispatch, make_inputs,
+from tests.helpers.gpu import (Inputs, all_inputs, combine_inputs, dev, expected_dispatch,
                                round_trip_want, row_diff)
 
 
 def inputs_for(dist_env, local: int, ns, **kw):
-    """Every rank's inputs with the internode layout (num_tokens_per_rdma_rank for L)."""
+    """Every rank's inputs (rank r: ns[r % len(ns)] tokens) with the internode layout
+    (num_tokens_per_rdma_rank for L). Collective: every rank calls it with the same arguments."""
     world = dist_env.world_size
-    out = []
-    for r in range(world):
-        inp = make_inputs(rank=r, num_tokens=ns[r % len(ns)], num_ranks=world, **kw)
-        inp.layout = oracle.layout(inp.topk_idx.long(), kw["num_experts"], world, local)
-        out.append(inp)
-    return out
+    return lay_out(all_inputs(dist_env, [ns[r % len(ns)] for r in range(world)], **kw), kw["num_experts"], local)
+
+
+def lay_out(inputs, num_experts: int, local: int):
+    """inputs (every rank's), their layouts recomputed for nodes of `local` ranks."""
+    for inp in inputs:
+        inp.layout = oracle.layout(inp.topk_idx.long(), num_experts, len(inputs), local)
+    return inputs
 
 
 def dispatch_errors(got, want, fp8: bool, rank: int, inputs, use_topk=True) -> List[str]:
