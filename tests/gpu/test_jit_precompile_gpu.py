@@ -4,7 +4,9 @@ Shapes are unusual on purpose (derived from R), so no earlier test in the sessio
 kernels. Run under torchrun (`make test-gpu`); collective."""
 from __future__ import annotations
 
+import shutil
 import tempfile
+import traceback
 
 import pytest
 import torch
@@ -22,16 +24,29 @@ def _shapes(R: int, L: int, modes):
                        ll_scales=("float", "pow2", "ue8m0"))
 
 
-def _warm(monkeypatch, device, shapes):
-    """Build the planned kernels into a fresh cache, forget them in-process, forbid compiles."""
-    from epcomm.ops.model_kernels import kernel_sources
+def _warm(dist_env, monkeypatch, device, shapes):
+    """Build the model's kernels as a user does (`python -m epcomm.jit --precompile`: epcomm.jit.
+    precompile, parallel builds) into a fresh cache that the ranks of this host share (local rank 0
+    builds it), forget them in-process, forbid compiles. Collective."""
+    import os
+    from epcomm import jit
     from epcomm.runtime import cache
     from epcomm.runtime.arch import device_arch
-    monkeypatch.setenv("EPCOMM_CACHE_DIR", tempfile.mkdtemp(prefix="epcomm-precompile-"))
+    folder = os.path.join(tempfile.gettempdir(), f"epcomm-precompile-{os.environ.get('MASTER_PORT', 'local')}-"
+                                                 f"{shapes.hidden}-{'-'.join(shapes.modes)}")
+    monkeypatch.setenv("EPCOMM_CACHE_DIR", folder)
     monkeypatch.delenv("EPCOMM_ASSERT_NO_COMPILE", raising=False)
-    arch = device_arch(device.index)
-    for src in kernel_sources(shapes):
-        cache.get_cubin(src, arch.cc, arch.feature)
+    built = True
+    if int(os.environ.get("LOCAL_RANK", dist_env.rank)) == 0:
+        # this host's share of the cores for every rank of it (the other ranks wait meanwhile)
+        jobs = int(os.environ.get("OMP_NUM_THREADS") or 1) * int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            built = jit.precompile([device_arch(device.index).cc], min(jobs, os.cpu_count() or 1), [shapes]) == 0
+        except Exception:   # raised after every rank's meeting below, never before it
+            traceback.print_exc()
+            built = False
+    assert dist_env.all_ok(built), "the precompile plan's builds failed on local rank 0 (its output above)"
     cache.clear_memo()
     monkeypatch.setenv("EPCOMM_ASSERT_NO_COMPILE", "1")
 
@@ -67,7 +82,7 @@ def test_normal_mode_calls_hit_the_precompiled_cache(dist_env, monkeypatch):
     shapes = _shapes(R, R // buffer.runtime.get_num_rdma_ranks(), ("normal",))
 
     def calls():
-        _warm(monkeypatch, device, shapes)
+        _warm(dist_env, monkeypatch, device, shapes)
         x, topk_idx, weights = _routing(shapes, 64 + dist_env.rank, device, 11 + dist_env.rank)
         per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, shapes.num_experts)
         for fp8 in (False, True):
@@ -95,7 +110,7 @@ def test_low_latency_calls_hit_the_precompiled_cache(dist_env, monkeypatch):
                            low_latency_mode=True, explicitly_destroy=True)
 
     def calls():
-        _warm(monkeypatch, device, shapes)
+        _warm(dist_env, monkeypatch, device, shapes)
         x, topk_idx, weights = _routing(shapes, T - 1, device, 21 + dist_env.rank)
         for use_fp8, round_scale, use_ue8m0 in ((False, False, False), (True, False, False),
                                                 (True, True, False), (True, True, True)):
