@@ -4,7 +4,7 @@ the ops modules' runners), without a GPU.
 A call with the signature of an earlier call that passed every check skips the checks; any change
 of shape, dtype, device, contiguity, flag or scalar type makes another signature, so the call is
 checked in full again and bad input raises exactly what it raises on a Buffer that never took the
-fast path. With the instant backend of test_api_host_path (meta tensors) the backend must get the
+fast path. With the instant backend of tests/helpers/host_path.py (meta tensors) the backend must get the
 same arguments on both paths; with the real GpuBackend over bench.host_model's stand-in driver the
 runners must launch the same Params bytes as the checked path."""
 from __future__ import annotations
@@ -17,18 +17,12 @@ import torch.distributed as dist
 
 import epcomm.buffer as buffer_module
 from epcomm import Buffer, Config
-from tests.cpu.test_api_host_path import E, E_L, H, K, M, N, R, T, InstantBackend, meta
+from tests.helpers.host_path import E, E_L, H, K, M, N, R, T, InstantBackend, instant_buffer, meta
 
 
 @pytest.fixture
 def make(monkeypatch):
-    def build():
-        backend = InstantBackend()
-        monkeypatch.setattr(buffer_module, "_make_backend", lambda *args: backend)
-        buf = Buffer(dist.ProcessGroup(dist.HashStore(), 0, R), num_nvl_bytes=1 << 20, num_rdma_bytes=1 << 30,
-                     low_latency_mode=True)
-        return buf, backend
-    return build
+    return lambda: instant_buffer(monkeypatch)
 
 
 class Calls:

@@ -13,8 +13,7 @@ import torch
 import epcomm
 from epcomm.reference import oracle
 from tests import topology
-from tests.gpu.test_low_latency_gpu import FP8_TARGET, _buffer, _run, _verdict
-from tests.gpu.test_low_latency_gpu import _destroy_buffers  # noqa: F401  (the module's Buffers, destroyed at its end)
+from tests.helpers.low_latency import FP8_TARGET, checked_round_trip, shared_buffer, verdict
 from tests.helpers.gpu import (all_inputs, check, combine_inputs, dev, dispatch_errors, expected_dispatch, make_inputs,
                                row_diff, run_dispatch)
 
@@ -30,29 +29,29 @@ def _runner_kinds(runs: dict) -> set:
 def test_low_latency_repeated_calls_match_oracle(dist_env):
     """Five checked dispatch + combine pairs per signature, FP8 then BF16 then FP8 again: every call
     after the first of its signature runs through the runner (and the pooled outputs)."""
-    buf = _buffer(dist_env)
+    buf = shared_buffer(dist_env)
     problems = []
     for i, case in enumerate([FP8_TARGET] * 5 + [replace(FP8_TARGET, fp8=False)] * 3 + [FP8_TARGET] * 2):
-        problems += _run(dist_env, buf, case, seed=40 + i, clean=i == 0)
+        problems += checked_round_trip(dist_env, buf, case, seed=40 + i, clean=i == 0)
         if i == 0 and not buf._ll_dispatch_runs:
             problems.append("no low-latency dispatch runner after the first call")
     if _runner_kinds(buf._ll_dispatch_runs) != {"run"} or _runner_kinds(buf._ll_combine_runs) != {"run"}:
         problems.append(f"runners: {buf._ll_dispatch_runs} / {buf._ll_combine_runs}")
-    _verdict(dist_env, problems, "repeated low-latency calls")
+    verdict(dist_env, problems, "repeated low-latency calls")
 
 
 def test_low_latency_fast_path_rejects_a_changed_signature(dist_env):
     """After the fast path of one signature, a call whose topk_idx has another dtype raises the
     full check's TypeError on every rank, and the next good call still matches the oracle."""
-    buf = _buffer(dist_env)
+    buf = shared_buffer(dist_env)
     case = FP8_TARGET
-    problems = _run(dist_env, buf, case, seed=60) + _run(dist_env, buf, case, seed=61, clean=False)
+    problems = checked_round_trip(dist_env, buf, case, seed=60) + checked_round_trip(dist_env, buf, case, seed=61, clean=False)
     x = torch.randn(case.tokens(dist_env.rank), case.H, device=dist_env.device).to(torch.bfloat16)
     bad_idx = torch.zeros(x.shape[0], case.K, dtype=torch.int32, device=dist_env.device)
     with pytest.raises(TypeError, match="topk_idx must have dtype torch.int64"):
         buf.low_latency_dispatch(x, bad_idx, case.T, case.E)
-    problems += _run(dist_env, buf, case, seed=62, clean=False)
-    _verdict(dist_env, problems, "changed signature")
+    problems += checked_round_trip(dist_env, buf, case, seed=62, clean=False)
+    verdict(dist_env, problems, "changed signature")
 
 
 def _intranode_buffer(dist_env):

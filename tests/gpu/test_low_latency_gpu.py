@@ -5,311 +5,63 @@ against sum_k w_k * x. Collective: run every rank under torchrun (`make test-gpu
 torchrun --nproc_per_node=2 -m pytest -q -rs -m gpu tests/gpu/test_low_latency_gpu.py).
 
 Each test starts with clean_low_latency_buffer (collective), so a failed test does not poison the
-next one. Buffers are shared per set of constructor flags and destroyed at the end of the module.
+next one. Buffers are shared per set of constructor flags and destroyed at the end of the module
+(tests/helpers/low_latency.py, tests/gpu/conftest.py).
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import shutil
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
-from typing import Optional, Tuple
+from dataclasses import replace
 
 import pytest
 import torch
 
 from epcomm.ops.low_latency_layout import RECORD_BYTES, Layout
-from tests import topology
-from tests.helpers.gpu import BufferPool, calc_diff
+from tests.helpers.low_latency import (ALL_SHAPES, CASES, FP8_TARGET, POOL, SMALL, TARGET, Case, bits,
+                                       case_inputs, check_combine, check_dispatch, checked_round_trip,
+                                       combine_input, experts_for, first_mismatch, gather, say,
+                                       shared_buffer, verdict)
 
 pytestmark = pytest.mark.gpu
-# Expert counts near the nominal ones that the session's rank count divides.
-_R = topology.world_size()
-
-
-def _e(nominal: int) -> int:
-    return topology.experts(nominal, _R)
-
-
-TARGET = dict(T=128, H=7168, E=_e(288), K=8)
-
-
-@dataclass(frozen=True)
-class Case:
-    T: int
-    H: int
-    E: int
-    K: int
-    N: Tuple[int, ...]           # tokens per rank (cycled over ranks)
-    fp8: bool = True
-    round_scale: bool = False
-    ue8m0: bool = False
-    masked: float = 0.1          # fraction of top-k entries set to -1
-
-    def tokens(self, rank: int) -> int:
-        return self.N[rank % len(self.N)]
-
-    def __str__(self) -> str:
-        kind = "bf16" if not self.fp8 else "ue8m0" if self.ue8m0 else "fp8-pow2" if self.round_scale else "fp8"
-        return f"{kind}-T{self.T}-H{self.H}-E{self.E}-K{self.K}-N{'/'.join(map(str, self.N))}"
-
-
-FP8_TARGET = Case(128, 7168, _e(288), 8, (128, 97))
-CASES = [
-    FP8_TARGET,
-    replace(FP8_TARGET, round_scale=True),
-    replace(FP8_TARGET, round_scale=True, ue8m0=True),
-    replace(FP8_TARGET, fp8=False),
-    Case(64, 2176, _e(64), 16, (64, 0)),             # H in no whitelist, K=16, one rank sends nothing
-    Case(64, 1032, _e(64), 16, (50, 64), fp8=False), # BF16 H % 128 != 0
-    Case(512, 2048, _e(64), 8, (512, 301)),          # several tokens per block
-    Case(32, 256, _R, 1, (32, 17), masked=0.0),      # one expert per rank, top-1
-    Case(64, 1024, _e(64), 32, (64, 40)),            # K = MAX_TOPK: a full combine record
-]
-SMALL = Case(64, 1024, _e(16), 4, (64, 40))
-ALL_SHAPES = [TARGET] + [dict(T=c.T, H=c.H, E=c.E) for c in CASES]
-
-
-# ---- inputs, buffers, comparisons ----------------------------------------------------------------
-def _inputs(case: Case, rank: int, seed: int):
-    """Rank `rank`'s (x [N, H] bf16, topk_idx [N, K] int64, topk_weights [N, K] f32) on the CPU."""
-    n = case.tokens(rank)
-    gen = torch.Generator().manual_seed(seed * 1009 + rank)
-    x = torch.randn(n, case.H, generator=gen).to(torch.bfloat16)
-    scores = torch.rand(n, case.E, generator=gen)
-    topk_idx = torch.topk(scores, case.K, dim=-1).indices
-    if case.masked:
-        topk_idx = topk_idx.masked_fill(torch.rand(n, case.K, generator=gen) < case.masked, -1)
-    weights = torch.rand(n, case.K, generator=gen) + 0.1
-    return x, topk_idx, weights
-
-
-def _gather(obj):
-    import torch.distributed as dist
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _expert_scale(experts: torch.Tensor) -> torch.Tensor:
-    """What the fake expert multiplies its rows by: powers of two, exact in bf16."""
-    return torch.pow(2.0, (experts % 3).float())
-
-
-_POOL = BufferPool()
-
-
-def _buffer(dist_env, shapes=(TARGET,), env: Optional[dict] = None, **flags):
-    """A Buffer with these flags, big enough for every (T, H, E) in `shapes`, shared by tests."""
-    import epcomm
-    key = (tuple(sorted(flags.items())), tuple(sorted((env or {}).items())))
-
-    def build():
-        size = max(epcomm.Buffer.get_low_latency_rdma_size_hint(s["T"], s["H"], dist_env.world_size, s["E"])
-                   for s in shapes)
-        with pytest.MonkeyPatch.context() as patch:
-            for name, value in (env or {}).items():
-                patch.setenv(name, str(value))
-            return epcomm.Buffer(dist_env.group, num_rdma_bytes=size, low_latency_mode=True,
-                                 explicitly_destroy=True, **flags)
-    return _POOL.get(key, build)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _destroy_buffers():
-    yield
-    _POOL.destroy_all()
-
-
-def _first_mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
-    if got.shape != want.shape:
-        return f"shape {tuple(got.shape)} != {tuple(want.shape)}"
-    bad = (got != want).nonzero()
-    if len(bad) == 0:
-        return "equal"
-    i = tuple(bad[0].tolist())
-    return f"{len(bad)} elements differ, first at {i}: got {got[i].item()}, want {want[i].item()}"
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Same-size integer view, so NaNs and signed zeros compare by bits."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def _say(*lines) -> None:
-    sys.__stderr__.write("\n".join(f"[test_low_latency rank {os.environ.get('RANK')}] {l}" for l in lines) + "\n")
-    sys.__stderr__.flush()
-
-
-# ---- one dispatch + combine, checked ------------------------------------------------------------
-def _check_dispatch(case: Case, rank: int, num_ranks: int, inputs, got, rank_masks=None):
-    """-> (problems, oracle result). inputs: all ranks' CPU inputs; got: (recv_x, scales, count, handle, cum)."""
-    from epcomm.reference import oracle
-    recv_x, scales, count, handle, cumulative = got
-    want = oracle.low_latency_dispatch([i[0] for i in inputs], [i[1] for i in inputs], case.T, case.E, rank,
-                                       case.fp8, case.round_scale, case.ue8m0, rank_masks)
-    problems = []
-    e_l = case.E // num_ranks
-    # recv_count is the global count of each local expert in the all-gathered top-k
-    alive = oracle.link_alive(rank_masks, num_ranks)
-    global_count = torch.zeros(e_l, dtype=torch.int32)
-    for s, (_, topk, _) in enumerate(inputs):
-        if alive[s, rank]:
-            for e in range(e_l):
-                global_count[e] += int((topk == rank * e_l + e).sum())
-    if not torch.equal(count.cpu(), global_count) or not torch.equal(count.cpu(), want["recv_count"]):
-        problems.append(f"recv_count {count.tolist()} != global count {global_count.tolist()}")
-    src_info, layout_range = handle[0].cpu(), handle[1].cpu()
-    if not torch.equal(layout_range, want["layout_range"]):
-        problems.append(f"layout_range: {_first_mismatch(layout_range, want['layout_range'])}")
-    if handle[2:] != (case.T, case.H, case.E):
-        problems.append(f"handle tail {handle[2:]} != {(case.T, case.H, case.E)}")
-    if cumulative is not None and not torch.equal(cumulative.cpu(), want["recv_count"]):
-        problems.append(f"cumulative_local_expert_recv_stats {cumulative.tolist()} != {want['recv_count'].tolist()}")
-    recv_x, scales = recv_x.cpu(), scales.cpu() if scales is not None else None
-    for e in range(e_l):
-        n = int(want["recv_count"][e])
-        for what, g, w in (("rows", recv_x, want["recv_x"]), ("src_info", src_info, want["src_info"]),
-                           ("scales", scales, want["recv_x_scales"])):
-            if w is None and g is None:
-                continue
-            if (g is None) != (w is None) or not torch.equal(_bits(g[e, :n]), _bits(w[e, :n])):
-                problems.append(f"local expert {e} ({n} rows) {what}: "
-                                f"{_first_mismatch(_bits(g[e, :n]), _bits(w[e, :n])) if g is not None else 'missing'}")
-                break
-        if len(problems) > 6:
-            break
-    return problems, want
-
-
-def _combine_input(case: Case, rank: int, num_ranks: int, recv_x, scales, count) -> torch.Tensor:
-    """The fake experts' output: dispatched rows (dequantised) times 2^(expert % 3); NaN in the
-    rows past recv_count, so a kernel that reads one is caught."""
-    e_l, slots = case.E // num_ranks, num_ranks * case.T
-    if case.fp8:
-        rows = recv_x.float().view(e_l, slots, case.H // 128, 128)
-        if case.ue8m0:
-            from epcomm.reference.oracle import unpack_ue8m0
-            scales = unpack_ue8m0(scales, case.H // 128)
-        rows = (rows * scales.float()[..., None]).view(e_l, slots, case.H)
-    else:
-        rows = recv_x.float()
-    experts = torch.arange(e_l, device=rows.device) + rank * e_l
-    rows = rows * _expert_scale(experts)[:, None, None]
-    valid = torch.arange(slots, device=rows.device)[None, :] < count[:, None]
-    return torch.where(valid[..., None], rows, torch.nan).to(torch.bfloat16)
-
-
-def _check_combine(case: Case, rank: int, inputs, x_c, handle, combined, rank_masks=None):
-    from epcomm.reference import oracle
-    problems = []
-    rows = _gather(oracle.ll_valid_rows(x_c.cpu(), handle[0].cpu(), handle[1].cpu()))
-    x, topk_idx, weights = inputs[rank]
-    want = oracle.ll_combine_rows(rows, topk_idx, weights, rank, case.E, rank_masks)
-    got = combined.cpu()
-    if not torch.equal(_bits(got), _bits(want)):
-        problems.append(f"combine vs oracle.ll_combine_rows: {_first_mismatch(got.float(), want.float())}")
-    # DeepEP's check: against the original x, weighted by the experts that were reached
-    alive = oracle.link_alive(rank_masks, len(inputs))[rank]
-    e_l = case.E // len(inputs)
-    used = (topk_idx >= 0) & alive[topk_idx.clamp_min(0) // e_l]
-    factor = (weights.double() * _expert_scale(topk_idx.clamp_min(0)).double() * used).sum(1)
-    diff = calc_diff(got, x.double() * factor[:, None])
-    bound = 9e-4 if case.fp8 else 1e-5
-    if not diff < bound:
-        problems.append(f"calc_diff(combined, sum_k w_k * x) = {diff:.3g} >= {bound}")
-    return problems
-
-
-def _run(dist_env, buf, case: Case, seed: int = 0, mode: str = "sync", zero_copy: bool = False,
-         use_out: bool = False, rank_masks=None, clean: bool = True):
-    """One checked dispatch + combine; -> list of problems on this rank."""
-    rank, num_ranks, dev = dist_env.rank, dist_env.world_size, dist_env.device
-    if clean:
-        buf.clean_low_latency_buffer(case.T, case.H, case.E)
-    inputs = _gather(_inputs(case, rank, seed))
-    x, topk_idx, weights = (t.to(dev) for t in inputs[rank])
-    e_l = case.E // num_ranks
-    cumulative = torch.zeros(e_l, dtype=torch.int32, device=dev)
-    waits = [torch.zeros(num_ranks, dtype=torch.int64, device=dev) for _ in range(2)]
-    hook_kw = dict(return_recv_hook=mode == "hook", async_finish=mode == "async")
-    recv, count, handle, event, hook = buf.low_latency_dispatch(
-        x, topk_idx, case.T, case.E, cumulative, waits[0], use_fp8=case.fp8, round_scale=case.round_scale,
-        use_ue8m0=case.ue8m0, **hook_kw)
-    problems = []
-    if (hook is not None) != (mode == "hook"):
-        problems.append(f"dispatch returned hook={hook!r} in mode {mode}")
-    if hook is not None:
-        hook()
-    if mode == "async":
-        event.current_stream_wait()
-    torch.cuda.synchronize()
-    recv_x, scales = recv if case.fp8 else (recv, None)
-    p, _ = _check_dispatch(case, rank, num_ranks, inputs, (recv_x, scales, count, handle, cumulative), rank_masks)
-    problems += [f"dispatch: {m}" for m in p]
-
-    x_c = _combine_input(case, rank, num_ranks, recv_x, scales, count)
-    if zero_copy:
-        buf.get_next_low_latency_combine_buffer(handle).copy_(x_c)
-    out = torch.empty(x.shape, dtype=torch.bfloat16, device=dev) if use_out else None
-    combined, event, hook = buf.low_latency_combine(x_c, topk_idx, weights, handle, zero_copy=zero_copy, out=out,
-                                                    combine_wait_recv_cost_stats=waits[1], **hook_kw)
-    if hook is not None:
-        hook()
-    if mode == "async":
-        event.current_stream_wait()
-    torch.cuda.synchronize()
-    if use_out and combined is not out:
-        problems.append("low_latency_combine(out=...) did not return `out` itself")
-    problems += [f"combine: {m}" for m in _check_combine(case, rank, inputs, x_c, handle, combined, rank_masks)]
-    for name, w in zip(("dispatch", "combine"), waits):
-        if (w < 0).any():
-            problems.append(f"{name}_wait_recv_cost_stats has negative entries: {w.tolist()}")
-    return problems
-
-
-def _verdict(dist_env, problems, what) -> None:
-    if problems:
-        _say(f"{what}: FAILED", *problems)
-    assert dist_env.all_ok(not problems), f"rank {dist_env.rank} {what}: " + "; ".join(problems[:8])
 
 
 # ---- tests ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_dispatch_combine_match_oracle(dist_env, case):
-    buf = _buffer(dist_env, shapes=ALL_SHAPES)
+    buf = shared_buffer(dist_env, shapes=ALL_SHAPES)
     if case.E % dist_env.world_size:
         pytest.skip(f"E={case.E} does not split over {dist_env.world_size} ranks")
-    _verdict(dist_env, _run(dist_env, buf, case), str(case))
+    verdict(dist_env, checked_round_trip(dist_env, buf, case), str(case))
 
 
 @pytest.mark.parametrize("mode", ["hook", "async"])
 def test_hook_and_async_modes(dist_env, mode):
-    buf = _buffer(dist_env, shapes=ALL_SHAPES)
+    buf = shared_buffer(dist_env, shapes=ALL_SHAPES)
     problems = []
     for i, case in enumerate((FP8_TARGET, replace(FP8_TARGET, fp8=False))):
-        problems += _run(dist_env, buf, case, seed=10 + i, mode=mode)
-    _verdict(dist_env, problems, f"{mode} mode")
+        problems += checked_round_trip(dist_env, buf, case, seed=10 + i, mode=mode)
+    verdict(dist_env, problems, f"{mode} mode")
 
 
 def test_zero_copy_and_out(dist_env):
-    buf = _buffer(dist_env, shapes=ALL_SHAPES)
-    problems = _run(dist_env, buf, FP8_TARGET, seed=3, zero_copy=True, use_out=True)
-    problems += _run(dist_env, buf, FP8_TARGET, seed=4, zero_copy=True, mode="hook", clean=False)
-    _verdict(dist_env, problems, "zero-copy / out=")
+    buf = shared_buffer(dist_env, shapes=ALL_SHAPES)
+    problems = checked_round_trip(dist_env, buf, FP8_TARGET, seed=3, zero_copy=True, use_out=True)
+    problems += checked_round_trip(dist_env, buf, FP8_TARGET, seed=4, zero_copy=True, mode="hook", clean=False)
+    verdict(dist_env, problems, "zero-copy / out=")
 
 
 def test_back_to_back_calls_without_clean(dist_env):
     """Many calls on alternating buffer sets, each checked: the device-side call counts stay in step."""
-    buf = _buffer(dist_env, shapes=ALL_SHAPES)
+    buf = shared_buffer(dist_env, shapes=ALL_SHAPES)
     problems = []
     for i in range(6):
-        problems += _run(dist_env, buf, replace(SMALL, fp8=bool(i % 2)), seed=20 + i, clean=i == 0,
+        problems += checked_round_trip(dist_env, buf, replace(SMALL, fp8=bool(i % 2)), seed=20 + i, clean=i == 0,
                          mode=("sync", "hook", "async")[i % 3])
-    _verdict(dist_env, problems, "back-to-back calls")
+    verdict(dist_env, problems, "back-to-back calls")
 
 
 def test_stale_bytes_in_record_slots_are_never_taken_for_records(dist_env):
@@ -317,7 +69,7 @@ def test_stale_bytes_in_record_slots_are_never_taken_for_records(dist_env):
     bytes left in their slots must never pass for this call's record. Before each checked call both
     sets' record slots on every rank are filled with such bytes: random words, and words whose high
     half is a small integer (what a raw epoch stamp would have taken for its own)."""
-    buf = _buffer(dist_env, shapes=ALL_SHAPES)
+    buf = shared_buffer(dist_env, shapes=ALL_SHAPES)
     dev, problems = dist_env.device, []
 
     def fill(case, seed):
@@ -336,15 +88,15 @@ def test_stale_bytes_in_record_slots_are_never_taken_for_records(dist_env):
         buf.clean_low_latency_buffer(case.T, case.H, case.E)
         for j in range(3):   # epochs 1, 2 of each set: the stamps of a fresh buffer and of later calls
             fill(case, 1000 * dist_env.rank + 10 * i + j)
-            problems += _run(dist_env, buf, case, seed=60 + 10 * i + j, clean=False)
-    _verdict(dist_env, problems, "stale record bytes")
+            problems += checked_round_trip(dist_env, buf, case, seed=60 + 10 * i + j, clean=False)
+    verdict(dist_env, problems, "stale record bytes")
 
 
 def test_shape_change_needs_clean(dist_env):
-    buf = _buffer(dist_env, shapes=ALL_SHAPES)
-    _run(dist_env, buf, SMALL)
+    buf = shared_buffer(dist_env, shapes=ALL_SHAPES)
+    checked_round_trip(dist_env, buf, SMALL)
     other = replace(SMALL, T=32, N=(32,))
-    x, topk_idx, _ = (t.to(dist_env.device) for t in _inputs(other, dist_env.rank, 0))
+    x, topk_idx, _ = (t.to(dist_env.device) for t in case_inputs(other, dist_env.rank, 0))
     with pytest.raises(ValueError, match="clean_low_latency_buffer"):
         buf.low_latency_dispatch(x, topk_idx, other.T, other.E)
     with pytest.raises(NotImplementedError, match="use_logfmt"):
@@ -365,14 +117,14 @@ def test_combine_uses_its_own_weights_and_slots(dist_env):
     first and the third on the same buffer set) with new weights each, the third also with slots
     dropped (-1) after the dispatch; each bit for bit against the oracle."""
     case, rank, num_ranks, dev = FP8_TARGET, dist_env.rank, dist_env.world_size, dist_env.device
-    buf = _buffer(dist_env, shapes=ALL_SHAPES)
+    buf = shared_buffer(dist_env, shapes=ALL_SHAPES)
     buf.clean_low_latency_buffer(case.T, case.H, case.E)
-    inputs = _gather(_inputs(case, rank, 60))
+    inputs = gather(case_inputs(case, rank, 60))
     x, topk_idx, _ = (t.to(dev) for t in inputs[rank])
     (recv_x, scales), count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, case.T, case.E)
     torch.cuda.synchronize()
-    problems, _ = _check_dispatch(case, rank, num_ranks, inputs, (recv_x, scales, count, handle, None))
-    x_c = _combine_input(case, rank, num_ranks, recv_x, scales, count)
+    problems, _ = check_dispatch(case, rank, num_ranks, inputs, (recv_x, scales, count, handle, None))
+    x_c = combine_input(case, rank, num_ranks, recv_x, scales, count)
     gen = torch.Generator().manual_seed(61 + rank)
     for i in range(3):
         idx = inputs[rank][1]
@@ -383,20 +135,20 @@ def test_combine_uses_its_own_weights_and_slots(dist_env):
         torch.cuda.synchronize()
         now = list(inputs)
         now[rank] = (inputs[rank][0], idx, weights)
-        problems += [f"combine {i}: {m}" for m in _check_combine(case, rank, now, x_c, handle, combined)]
-    _verdict(dist_env, problems, "combine-time weights and slots")
+        problems += [f"combine {i}: {m}" for m in check_combine(case, rank, now, x_c, handle, combined)]
+    verdict(dist_env, problems, "combine-time weights and slots")
 
 
 def test_cuda_graph_replay(dist_env):
     """Capture dispatch + combine once; replay 100 times with new inputs copied in; check each."""
     case, rank, num_ranks, dev = SMALL, dist_env.rank, dist_env.world_size, dist_env.device
-    buf = _buffer(dist_env, shapes=ALL_SHAPES)
+    buf = shared_buffer(dist_env, shapes=ALL_SHAPES)
     buf.clean_low_latency_buffer(case.T, case.H, case.E)
-    static = [t.to(dev) for t in _inputs(case, rank, 0)]
+    static = [t.to(dev) for t in case_inputs(case, rank, 0)]
 
     def step():
         recv, count, handle, _, _ = buf.low_latency_dispatch(static[0], static[1], case.T, case.E)
-        x_c = _combine_input(case, rank, num_ranks, recv[0], recv[1], count)
+        x_c = combine_input(case, rank, num_ranks, recv[0], recv[1], count)
         combined, _, _ = buf.low_latency_combine(x_c, static[1], static[2], handle)
         return recv, count, handle, x_c, combined
 
@@ -407,18 +159,18 @@ def test_cuda_graph_replay(dist_env):
         recv, count, handle, x_c, combined = step()
     problems = []
     for i in range(100):
-        inputs = _gather(_inputs(case, rank, 100 + i))
+        inputs = gather(case_inputs(case, rank, 100 + i))
         for dst, src in zip(static, inputs[rank]):
             dst.copy_(src)
         graph.replay()
         torch.cuda.synchronize()
-        p, _ = _check_dispatch(case, rank, num_ranks, inputs, (recv[0], recv[1], count, handle, None))
-        p += _check_combine(case, rank, inputs, x_c, handle, combined)
+        p, _ = check_dispatch(case, rank, num_ranks, inputs, (recv[0], recv[1], count, handle, None))
+        p += check_combine(case, rank, inputs, x_c, handle, combined)
         problems += [f"replay {i}: {m}" for m in p]
         if not dist_env.all_ok(not p):
             break
     del graph
-    _verdict(dist_env, problems, "CUDA graph replay")
+    verdict(dist_env, problems, "CUDA graph replay")
 
 
 @pytest.mark.parametrize("case", [FP8_TARGET, CASES[5]], ids=str)
@@ -426,23 +178,23 @@ def test_put_path(dist_env, case):
     """allow_nvlink_for_low_latency_mode=False: NVSHMEM puts + signals even to NVLink peers."""
     if dist_env.world_size < 2:
         pytest.skip("needs 2 ranks")
-    buf = _buffer(dist_env, shapes=[TARGET, dict(T=64, H=1032, E=CASES[5].E)], allow_nvlink_for_low_latency_mode=False)
-    problems = _run(dist_env, buf, case, seed=5)
-    problems += _run(dist_env, buf, case, seed=6, mode="hook", zero_copy=True, clean=False)
-    problems += _run(dist_env, buf, case, seed=7, clean=False)   # puts staged from a non-zero-copy x
-    _verdict(dist_env, problems, f"put path {case}")
+    buf = shared_buffer(dist_env, shapes=[TARGET, dict(T=64, H=1032, E=CASES[5].E)], allow_nvlink_for_low_latency_mode=False)
+    problems = checked_round_trip(dist_env, buf, case, seed=5)
+    problems += checked_round_trip(dist_env, buf, case, seed=6, mode="hook", zero_copy=True, clean=False)
+    problems += checked_round_trip(dist_env, buf, case, seed=7, clean=False)   # puts staged from a non-zero-copy x
+    verdict(dist_env, problems, f"put path {case}")
 
 
 def test_sm80_feature_set(dist_env):
     """EPCOMM_ARCH=sm80: the Ampere code path (software e4m3 rounding) on this GPU, bit for bit."""
-    buf = _buffer(dist_env, env={"EPCOMM_ARCH": "sm80"})
+    buf = shared_buffer(dist_env, env={"EPCOMM_ARCH": "sm80"})
     problems = []
     for case in (FP8_TARGET, replace(FP8_TARGET, round_scale=True, ue8m0=True), replace(FP8_TARGET, fp8=False)):
-        problems += _run(dist_env, buf, case, seed=8)
-    _verdict(dist_env, problems, "sm80 feature set")
+        problems += checked_round_trip(dist_env, buf, case, seed=8)
+    verdict(dist_env, problems, "sm80 feature set")
 
 
-SHRINK_CASE = Case(64, 2048, _e(16), 4, (64, 33))
+SHRINK_CASE = Case(64, 2048, experts_for(16), 4, (64, 33))
 
 
 def _masking(num_ranks: int, masked_by: dict) -> list:
@@ -462,14 +214,14 @@ def test_shrink_masks_a_silent_peer(dist_env):
         pytest.skip("needs 2 or more ranks (one of them silent)")
     case, rank, num_ranks, dev = SHRINK_CASE, dist_env.rank, dist_env.world_size, dist_env.device
     silent = num_ranks - 1
-    buf = _buffer(dist_env, shapes=[dict(T=case.T, H=case.H, E=case.E)], env={"EPCOMM_TIMEOUT_S": 2},
+    buf = shared_buffer(dist_env, shapes=[dict(T=case.T, H=case.H, E=case.E)], env={"EPCOMM_TIMEOUT_S": 2},
                   enable_shrink=True)
     buf.clean_low_latency_buffer(case.T, case.H, case.E)
     buf.low_latency_clean_mask_buffer()
     dist_env.barrier()
     problems = []
     mask = torch.zeros(num_ranks, dtype=torch.int32, device=dev)
-    inputs = [_inputs(case, r, 31) for r in range(num_ranks)]
+    inputs = [case_inputs(case, r, 31) for r in range(num_ranks)]
     x, topk_idx, weights = (t.to(dev) for t in inputs[rank])
     masks = _masking(num_ranks, {r: [silent] for r in range(num_ranks) if r != silent})
     rows = None
@@ -481,22 +233,22 @@ def test_shrink_masks_a_silent_peer(dist_env):
         buf.low_latency_query_mask_buffer(mask)
         if mask.tolist() != masks[rank].tolist():
             problems.append(f"mask after the silent peer: {mask.tolist()}, want {masks[rank].tolist()}")
-        p, _ = _check_dispatch(case, rank, num_ranks, inputs, (recv_x, scales, count, handle, None), masks)
+        p, _ = check_dispatch(case, rank, num_ranks, inputs, (recv_x, scales, count, handle, None), masks)
         problems += [f"masked dispatch: {m}" for m in p]
-        x_c = _combine_input(case, rank, num_ranks, recv_x, scales, count)
+        x_c = combine_input(case, rank, num_ranks, recv_x, scales, count)
         combined, _, _ = buf.low_latency_combine(x_c, topk_idx, weights, handle)
         torch.cuda.synchronize()
         from epcomm.reference.oracle import ll_valid_rows
         rows = ll_valid_rows(x_c.cpu(), handle[0].cpu(), handle[1].cpu())
-        _say(f"shrink: dispatch with a silent peer finished after {elapsed:.1f} s (timeout 2 s)")
-    every_rows = _gather(rows)   # the silent rank joins here: it holds no rows
+        say(f"shrink: dispatch with a silent peer finished after {elapsed:.1f} s (timeout 2 s)")
+    every_rows = gather(rows)   # the silent rank joins here: it holds no rows
     if rank != silent:
         from epcomm.reference.oracle import ll_combine_rows
         empty = (torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0, case.H, dtype=torch.bfloat16))
         every_rows = [empty if r is None else r for r in every_rows]
         want = ll_combine_rows(every_rows, topk_idx.cpu(), weights.cpu(), rank, case.E, masks)
-        if not torch.equal(_bits(combined.cpu()), _bits(want)):
-            problems.append(f"masked combine: {_first_mismatch(combined.cpu().float(), want.float())}")
+        if not torch.equal(bits(combined.cpu()), bits(want)):
+            problems.append(f"masked combine: {first_mismatch(combined.cpu().float(), want.float())}")
         buf.low_latency_clean_mask_buffer()
         buf.low_latency_query_mask_buffer(mask)
         if mask.tolist() != [0] * num_ranks:
@@ -508,13 +260,13 @@ def test_shrink_masks_a_silent_peer(dist_env):
         if peer != rank:
             buf.low_latency_update_mask_buffer(peer, True)
     masks = _masking(num_ranks, {r: [p for p in range(num_ranks) if p != r] for r in range(num_ranks)})
-    problems += [f"explicit masks: {m}" for m in _run(dist_env, buf, case, seed=32, rank_masks=masks, clean=False)]
+    problems += [f"explicit masks: {m}" for m in checked_round_trip(dist_env, buf, case, seed=32, rank_masks=masks, clean=False)]
     buf.low_latency_query_mask_buffer(mask)
     if mask.tolist() != masks[rank].tolist():
         problems.append(f"query after update: {mask.tolist()}, want {masks[rank].tolist()}")
     buf.low_latency_clean_mask_buffer()
-    problems += [f"after clean: {m}" for m in _run(dist_env, buf, case, seed=33)]
-    _verdict(dist_env, problems, "shrink")
+    problems += [f"after clean: {m}" for m in checked_round_trip(dist_env, buf, case, seed=33)]
+    verdict(dist_env, problems, "shrink")
 
 
 MASKED_WAIT_TIMEOUT_S = 30   # no peer is silent here: ranks sharing a GPU may be seconds apart
@@ -528,11 +280,11 @@ def test_shrink_mask_between_dispatch_and_combine(dist_env):
     if dist_env.world_size < 2:
         pytest.skip("needs 2 or more ranks")
     case, rank, num_ranks, dev = SHRINK_CASE, dist_env.rank, dist_env.world_size, dist_env.device
-    buf = _buffer(dist_env, shapes=[dict(T=case.T, H=case.H, E=case.E)],
+    buf = shared_buffer(dist_env, shapes=[dict(T=case.T, H=case.H, E=case.E)],
                   env={"EPCOMM_TIMEOUT_S": MASKED_WAIT_TIMEOUT_S}, enable_shrink=True)
     buf.low_latency_clean_mask_buffer()
-    problems = [f"unmasked warm-up: {m}" for m in _run(dist_env, buf, case, seed=70)]
-    inputs = _gather(_inputs(case, rank, 71))
+    problems = [f"unmasked warm-up: {m}" for m in checked_round_trip(dist_env, buf, case, seed=70)]
+    inputs = gather(case_inputs(case, rank, 71))
     x, topk_idx, weights = (t.to(dev) for t in inputs[rank])
     (recv_x, scales), count, handle, _, _ = buf.low_latency_dispatch(x, topk_idx, case.T, case.E)
     torch.cuda.synchronize()
@@ -541,9 +293,9 @@ def test_shrink_mask_between_dispatch_and_combine(dist_env):
     if mask.any():
         problems.append(f"the unmasked dispatch masked ranks {mask.nonzero().flatten().tolist()} (a peer "
                         f"later than the {MASKED_WAIT_TIMEOUT_S} s timeout)")
-    p, _ = _check_dispatch(case, rank, num_ranks, inputs, (recv_x, scales, count, handle, None))
+    p, _ = check_dispatch(case, rank, num_ranks, inputs, (recv_x, scales, count, handle, None))
     problems += [f"dispatch: {m}" for m in p]
-    x_c = _combine_input(case, rank, num_ranks, recv_x, scales, count)
+    x_c = combine_input(case, rank, num_ranks, recv_x, scales, count)
     dist_env.barrier()   # every dispatch is complete before any mask is set
     partners = {r: [r ^ 1] if (r ^ 1) < num_ranks else [] for r in range(num_ranks)}
     for peer in partners[rank]:
@@ -556,9 +308,9 @@ def test_shrink_mask_between_dispatch_and_combine(dist_env):
         problems.append(f"the masked combine took {elapsed:.2f} s (timeout {MASKED_WAIT_TIMEOUT_S} s): "
                         f"something waited for the masked rank")
     masks = _masking(num_ranks, partners)
-    problems += [f"masked combine: {m}" for m in _check_combine(case, rank, inputs, x_c, handle, combined, masks)]
+    problems += [f"masked combine: {m}" for m in check_combine(case, rank, inputs, x_c, handle, combined, masks)]
     buf.low_latency_clean_mask_buffer()
-    _verdict(dist_env, problems, "mask between dispatch and combine")
+    verdict(dist_env, problems, "mask between dispatch and combine")
 
 
 def test_hook_overlap(dist_env):
@@ -566,10 +318,10 @@ def test_hook_overlap(dist_env):
     take as long as alone. Both are timed warm (cuBLAS initialised, one untimed round of each first)
     and interleaved, so clocks and caches are alike; both times are reported (the evidence); only
     correctness is asserted."""
-    buf = _buffer(dist_env, shapes=ALL_SHAPES)
+    buf = shared_buffer(dist_env, shapes=ALL_SHAPES)
     case, rank, dev = FP8_TARGET, dist_env.rank, dist_env.device
     buf.clean_low_latency_buffer(case.T, case.H, case.E)
-    inputs = _gather(_inputs(case, rank, 40))
+    inputs = gather(case_inputs(case, rank, 40))
     x, topk_idx, _ = (t.to(dev) for t in inputs[rank])
     a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=dev)
 
@@ -599,11 +351,11 @@ def test_hook_overlap(dist_env):
         us, out = between()
         times["between"].append(us)
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    _say(f"hook overlap: 4096^3 bf16 matmul, warm, median of 10: alone {med['alone']:.1f} us, "
+    say(f"hook overlap: 4096^3 bf16 matmul, warm, median of 10: alone {med['alone']:.1f} us, "
          f"between send and hook {med['between']:.1f} us (ratio {med['between'] / med['alone']:.2f})")
     recv, count, handle = out
-    problems, _ = _check_dispatch(case, rank, dist_env.world_size, inputs, (recv[0], recv[1], count, handle, None))
-    _verdict(dist_env, problems, "hook overlap")
+    problems, _ = check_dispatch(case, rank, dist_env.world_size, inputs, (recv[0], recv[1], count, handle, None))
+    verdict(dist_env, problems, "hook overlap")
 
 
 # ---- another kernel holds most SMs --------------------------------------------------------------
@@ -719,12 +471,12 @@ def test_sends_with_most_sms_held(dist_env, sm_holder, free_sms):
     timeout, bit for bit against the oracle. (A fused dispatch is not run here: its blocks send their
     own tokens and lists, then wait for the peer's.)"""
     case, rank, num_ranks, dev = FP8_TARGET, dist_env.rank, dist_env.world_size, dist_env.device
-    buf = _buffer(dist_env, shapes=ALL_SHAPES)
+    buf = shared_buffer(dist_env, shapes=ALL_SHAPES)
     kernel, smem, _ = sm_holder
     if kernel.max_active_blocks_per_sm(1024, smem) != 1:
         pytest.skip("the premise does not hold on this GPU: one holder block per SM")
     buf.clean_low_latency_buffer(case.T, case.H, case.E)
-    inputs = _gather(_inputs(case, rank, 80 + free_sms))
+    inputs = gather(case_inputs(case, rank, 80 + free_sms))
     x, topk_idx, weights = (t.to(dev) for t in inputs[rank])
     # The same calls once with every SM free: they compile and load their kernels first. Under lazy
     # module loading (CUDA's default) a kernel's first launch loads it, which may wait for the
@@ -732,7 +484,7 @@ def test_sends_with_most_sms_held(dist_env, sm_holder, free_sms):
     (recv_x, scales), count, handle, _, hook = buf.low_latency_dispatch(x, topk_idx, case.T, case.E,
                                                                          return_recv_hook=True)
     hook()
-    x_c = _combine_input(case, rank, num_ranks, recv_x, scales, count)
+    x_c = combine_input(case, rank, num_ranks, recv_x, scales, count)
     buf.low_latency_combine(x_c, topk_idx, weights, handle, return_recv_hook=True)[2]()
     buf.low_latency_combine(x_c, topk_idx, weights, handle)
     torch.cuda.synchronize()
@@ -744,25 +496,25 @@ def test_sends_with_most_sms_held(dist_env, sm_holder, free_sms):
         "dispatch send part (hook)", problems)
     hook()
     torch.cuda.synchronize()
-    p, _ = _check_dispatch(case, rank, num_ranks, inputs, (recv_x, scales, count, handle, None))
+    p, _ = check_dispatch(case, rank, num_ranks, inputs, (recv_x, scales, count, handle, None))
     problems += [f"dispatch: {m}" for m in p]
-    x_c = _combine_input(case, rank, num_ranks, recv_x, scales, count)
+    x_c = combine_input(case, rank, num_ranks, recv_x, scales, count)
     combined, _, hook = _while_held(
         dist_env, sm_holder, free_sms,
         lambda: buf.low_latency_combine(x_c, topk_idx, weights, handle, return_recv_hook=True),
         "combine send part (hook)", problems)
     hook()
     torch.cuda.synchronize()
-    problems += [f"hook combine: {m}" for m in _check_combine(case, rank, inputs, x_c, handle, combined)]
+    problems += [f"hook combine: {m}" for m in check_combine(case, rank, inputs, x_c, handle, combined)]
     combined, _, _ = _while_held(dist_env, sm_holder, free_sms,
                                  lambda: buf.low_latency_combine(x_c, topk_idx, weights, handle),
                                  "fused combine", problems)
-    problems += [f"fused combine: {m}" for m in _check_combine(case, rank, inputs, x_c, handle, combined)]
+    problems += [f"fused combine: {m}" for m in check_combine(case, rank, inputs, x_c, handle, combined)]
     try:
         buf.check_errors()   # a PeerTimeout recorded by any of them raises here
-    except Exception as e:            # reported on every rank by _verdict, not raised on this one alone
+    except Exception as e:            # reported on every rank by verdict, not raised on this one alone
         problems.append(f"error recorded: {e!r}")
-    _verdict(dist_env, problems, f"sends with {free_sms} free SMs")
+    verdict(dist_env, problems, f"sends with {free_sms} free SMs")
 
 
 def names_the_silent_rank(error, rank: int, silent: int) -> bool:
@@ -784,9 +536,9 @@ def test_peer_timeout_names_the_peer(dist_env):
         pytest.skip("needs 2 or more ranks (one of them silent)")
     from epcomm.errors import BufferUnusable, PeerTimeout
     case, rank, dev = SHRINK_CASE, dist_env.rank, dist_env.device
-    buf = _buffer(dist_env, shapes=[dict(T=case.T, H=case.H, E=case.E)], env={"EPCOMM_TIMEOUT_S": 2})
+    buf = shared_buffer(dist_env, shapes=[dict(T=case.T, H=case.H, E=case.E)], env={"EPCOMM_TIMEOUT_S": 2})
     buf.clean_low_latency_buffer(case.T, case.H, case.E)
-    x, topk_idx, _ = (t.to(dev) for t in _inputs(case, rank, 50))
+    x, topk_idx, _ = (t.to(dev) for t in case_inputs(case, rank, 50))
     buf.low_latency_dispatch(x, topk_idx, case.T, case.E)   # every rank: agreed and built
     torch.cuda.synchronize()
     dist_env.barrier()
@@ -817,14 +569,14 @@ def test_peer_timeout_names_the_peer(dist_env):
                 or not names_the_silent_rank(first, rank, silent)):
             problems.append(f"want PeerTimeout(op=low_latency_dispatch) naming silent rank {silent}, got {first!r}")
         else:
-            _say(f"timeout reported as: {first}")
+            say(f"timeout reported as: {first}")
         try:
             buf.low_latency_dispatch(x, topk_idx, case.T, case.E)
             problems.append("the Buffer accepted a call after the timeout")
         except BufferUnusable:
             pass
     finally:
-        _POOL.forget(buf)
+        POOL.forget(buf)
         torch.cuda.synchronize()
         buf.destroy()   # every rank is alive: destroy's meeting finds them all
-    _verdict(dist_env, problems, "peer timeout")
+    verdict(dist_env, problems, "peer timeout")
