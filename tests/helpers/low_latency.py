@@ -16,8 +16,7 @@ import torch
 from tests import topology
 from tests.helpers.gpu import BufferPool, calc_diff
 
-# Expert counts near the nominal ones that the session's rank count divides.
-RANKS = topology.world_size()
+RANKS = topology.world_size()   # the session's rank count
 
 
 def experts_for(nominal: int) -> int:
