@@ -149,6 +149,8 @@ class DistEnv:
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.ranks_per_gpu = int(os.environ.get("EPCOMM_TEST_RANKS_PER_GPU", "1"))
+        # Processes of every concurrent job (tests.gpu_session --jobs) on each GPU: memory shares.
+        self.processes_per_gpu = self.ranks_per_gpu * int(os.environ.get("EPCOMM_TEST_JOBS", "1"))
         self.device_index = self.local_rank // self.ranks_per_gpu
         # Shared with other ranks of this group, or with other jobs' processes (tests.gpu_session).
         self.shared_gpu = self.ranks_per_gpu > 1 or os.environ.get("EPCOMM_TEST_SHARED_GPU") == "1"

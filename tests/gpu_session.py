@@ -89,7 +89,7 @@ class Layout:
         env = {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(master_port), "EPCOMM_TEST_RANKS_PER_GPU": str(self.ranks_per_gpu),
-               "EPCOMM_BACKEND": "gpu", "EPCOMM_TEST_REPORT_AT_ONCE": "1"}
+               "EPCOMM_BACKEND": "gpu", "EPCOMM_TEST_REPORT_AT_ONCE": "1", "EPCOMM_TEST_JOBS": str(self.jobs)}
         if self.shared:
             env["EPCOMM_TEST_SHARED_GPU"] = "1"
             if self.sm_partition:

@@ -35,7 +35,8 @@ def test_concurrent_jobs_share_the_gpu_under_mps_and_split_the_tests():
     assert layout.world_size == 2 and layout.shared and layout.thread_percentage == 12
     env = layout.rank_env(1, 5, job=3)
     assert env["EPCOMM_TEST_SPLIT"] == "3/4" and env["EPCOMM_TEST_SHARED_GPU"] == "1"
-    assert env["EPCOMM_TEST_RANKS_PER_GPU"] == "2"
+    assert env["EPCOMM_TEST_RANKS_PER_GPU"] == "2" and env["EPCOMM_TEST_JOBS"] == "4"   # memory shares: 8 processes
+    assert gs.Layout(1, 8).rank_env(0, 1)["EPCOMM_TEST_JOBS"] == "1"
     single = gs.Layout(1, 1, jobs=3)       # one rank per job, still three processes per GPU
     assert single.shared and single.thread_percentage == 33
     assert "EPCOMM_TEST_SPLIT" not in gs.Layout(1, 1).rank_env(0, 1)

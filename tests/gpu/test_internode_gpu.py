@@ -117,16 +117,17 @@ def setup(dist_env, request):
 
 def skip_unless_memory(dist_env, what: str, ns, fp8: bool) -> None:
     """Skip (on every rank alike) a case whose tensors, with the module's Buffer, do not fit this
-    rank's share of the GPU (ranks per GPU under MPS) or of the host (every rank rebuilds every
-    rank's inputs)."""
+    rank's share of the GPU (the processes of every job on it, under MPS) or of the host (every
+    rank holds every rank's inputs: counted per rank, though ranks on one host share their pages)."""
     device_total = torch.cuda.get_device_properties(dist_env.device_index).total_memory
     device_need = (topology.round_trip_device_bytes(ns, HIDDEN, fp8) + DEEPEP_NVL_BYTES + DEEPEP_RDMA_BYTES +
                    CONTEXT_BYTES)
     host_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    host_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist_env.world_size))
-    for reason in (topology.memory_skip_reason(what, device_need, device_total, dist_env.ranks_per_gpu, "GPU"),
+    host_processes = int(os.environ.get("LOCAL_WORLD_SIZE", dist_env.world_size)) * \
+        (dist_env.processes_per_gpu // dist_env.ranks_per_gpu)
+    for reason in (topology.memory_skip_reason(what, device_need, device_total, dist_env.processes_per_gpu, "GPU"),
                    topology.memory_skip_reason(what, topology.round_trip_host_bytes(ns, HIDDEN, fp8),
-                                               host_total, host_ranks, "host")):
+                                               host_total, host_processes, "host")):
         if reason:
             pytest.skip(reason)
 
