@@ -1,0 +1,44 @@
+""".ci/gpu-call (the developer driver of one GPU-machine command) without a GPU: lanes run their
+tasks in order, each bounded; a task that finished is marked done and skipped by the next call, one
+cut at its bound is marked cut (REDO runs it again); a bound written `N!` starts only with N
+seconds left; every log comes back in logs.tgz with one summary line per task."""
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+
+from tests.conftest import ROOT
+
+PLAN = """# lane name bound command
+a    first   30     echo one > $LOGS/first/first.txt
+a    long    500!   echo never
+b    slow    2      sleep 4
+"""
+
+
+def _call(cwd, **env):
+    out = os.path.join(cwd, "out")
+    os.makedirs(out, exist_ok=True)
+    run = subprocess.run(["bash", os.path.join(ROOT, ".ci", "gpu-call"), "plan"], cwd=cwd, capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, OUT=out, BUDGET="60", **env))
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_tasks_bounds_marks_and_logs(tmp_path):
+    (tmp_path / "plan").write_text(PLAN)
+    said = _call(str(tmp_path))
+    assert "first: rc=0" in said and "long: not run" in said and "of the 500s it needs" in said, said
+    assert "slow: rc=0" in said, said
+    done = sorted(os.listdir(tmp_path / ".jit" / "done"))
+    assert done == ["first", "slow.cut"], done          # slow took its whole bound: cut
+    with tarfile.open(tmp_path / "out" / "logs.tgz") as packed:
+        names = packed.getnames()
+        assert "logs/summary.txt" in names and "logs/first.log" in names, names
+        assert packed.extractfile("logs/first/first.txt").read() == b"one\n"
+
+    again = _call(str(tmp_path))
+    assert "first: done in an earlier call" in again and "slow: cut at its bound" in again, again
+    redo = _call(str(tmp_path), REDO="slow", SKIP="long")
+    assert "slow: rc=0" in redo and "long: done in an earlier call" in redo, redo
