@@ -62,7 +62,8 @@ struct Header {
     static constexpr long long kPartialTail = kPushHead + 8LL * kMaxChannels * kLocal;     // u64[M][C]
     // combine: partial sums of (source node, channel) the source consumed
     static constexpr long long kPartialHead = kPartialTail + 8LL * kNodes * kMaxChannels;  // u64[M][C]
-    static constexpr long long kBytes = (kPartialHead + 8LL * kNodes * kMaxChannels + 255) / 256 * 256;
+    static constexpr long long kWaitNotes = kPartialHead + 8LL * kNodes * kMaxChannels;  // u32[R]: Guard::notes
+    static constexpr long long kBytes = (kWaitNotes + 4LL * kRanks + 255) / 256 * 256;
 };
 
 struct NotifyParams {
@@ -211,8 +212,9 @@ __device__ __forceinline__ Call begin_call(char **peers, const Params &p) {
     const unsigned long long epoch = begin_epoch<kRanks>(peers, p.peer_bases, p.rank, H::kEpoch);
     char *base = peers[p.rank];
     auto *failed = reinterpret_cast<unsigned int *>(base + H::kFailed);
-    return Call{base, epoch, Guard::make(failed, p.err, p.timeout_ns, p.op, p.rank, p.peer_bases, kRanks), p.rank, p.rank / kLocal,
-                p.rank % kLocal};
+    auto *notes = reinterpret_cast<unsigned int *>(base + H::kWaitNotes);
+    const Guard guard = Guard::make(failed, notes, p.err, p.timeout_ns, p.op, p.rank, p.peer_bases, kRanks);
+    return Call{base, epoch, guard, p.rank, p.rank / kLocal, p.rank % kLocal};
 }
 
 // Before a kernel writes anything another rank reads (its own buffer included: local peers read it

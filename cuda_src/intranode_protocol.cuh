@@ -48,7 +48,8 @@ struct Header {
     static constexpr long long kReady = (kNotifyFlag + 8LL * kRanks + 127) / 128 * 128;  // u32[R][G]
     static constexpr long long kParts = kReady + 4LL * kRanks * kMaxChunks;  // u32[R][G], local
     static constexpr long long kConsumed = kParts + 4LL * kRanks * kMaxChunks;  // u64[R][G]
-    static constexpr long long kBytes = kConsumed + 8LL * kRanks * kMaxChunks;
+    static constexpr long long kWaitNotes = kConsumed + 8LL * kRanks * kMaxChunks;  // u32[R]: Guard::notes
+    static constexpr long long kBytes = (kWaitNotes + 4LL * kRanks + 127) / 128 * 128;
 };
 
 struct NotifyParams {
@@ -151,8 +152,10 @@ __device__ __forceinline__ unsigned int atomic_add_acq_rel_cta(unsigned int *sha
 // Params: any intranode Params (peer_bases, err, timeout_ns, op, rank).
 template <int kRanks, class Params>
 __device__ __forceinline__ Guard make_guard(const char *local_base, const Params &p) {
-    return Guard::make(reinterpret_cast<unsigned int *>(const_cast<char *>(local_base) + Header<1>::kFailed), p.err,
-                       p.timeout_ns, p.op, p.rank, p.peer_bases, kRanks);
+    char *base = const_cast<char *>(local_base);
+    return Guard::make(reinterpret_cast<unsigned int *>(base + Header<1>::kFailed),
+                       reinterpret_cast<unsigned int *>(base + Header<kRanks>::kWaitNotes), p.err, p.timeout_ns, p.op,
+                       p.rank, p.peer_bases, kRanks);
 }
 
 template <int kRanks> __device__ __forceinline__ int *ready_ptr(char *base, int peer, int chunk) {

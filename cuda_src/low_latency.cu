@@ -17,7 +17,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     static_assert(kTopK >= 1 && kTopK <= kMaxTopk, "one lane per top-k slot");
     extern __shared__ __align__(16) char smem[];
     __shared__ BlockState<kRanks> s;
-    const Guard ctx = Guard::make(p.failed, p.err, p.timeout_ns, p.op, p.rank, p.peer_bases, kRanks);
+    const Guard ctx = Guard::make(p.failed, p.wait_notes, p.err, p.timeout_ns, p.op, p.rank, p.peer_bases, kRanks);
     trace_stamp(p.trace, kTrStart);
     if (p.phases & kSend) {
         const unsigned long long epoch = ld_volatile_u64(p.epochs) + 1;   // in flight with the block state loads
@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const __grid_const
     __shared__ BlockState<kRanks> s;
     __shared__ CombineItem<kTopK> items[kItemGroups];
     __shared__ int ranks[kThreads / 32][32];
-    const Guard ctx = Guard::make(p.failed, p.err, p.timeout_ns, p.op, p.rank, p.peer_bases, kRanks);
+    const Guard ctx = Guard::make(p.failed, p.wait_notes, p.err, p.timeout_ns, p.op, p.rank, p.peer_bases, kRanks);
     trace_stamp(p.trace, kTrStart);
     if (p.phases & kSend) {
         const unsigned long long epoch = ld_volatile_u64(p.epochs) + 1;   // in flight with the block state loads

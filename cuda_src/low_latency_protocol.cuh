@@ -39,6 +39,7 @@ struct DispatchParams {
     unsigned int *tickets;             // [kCounters]: send / receive tickets of this launch (enum Counter)
     int *mask;                         // [R] nonzero = masked rank
     unsigned int *failed;              // nonzero once a wait of this rank failed (Guard's sticky flag)
+    unsigned int *wait_notes;          // [R] Guard::notes
     unsigned long long *token_tags;    // [R][T]: one per (source rank, token)
     unsigned long long *list_tags;     // [E_l][R]
     char *lists;                       // [E_l][R][16 + 4T]
@@ -72,6 +73,7 @@ struct CombineParams {
     unsigned int *tickets;             // [kCounters]: tickets, then the send part's claims (enum Counter)
     int *mask;
     unsigned int *failed;
+    unsigned int *wait_notes;
     unsigned long long *record_tags;   // [R][T]: one per (source rank, token), put sources only
     unsigned long long *partial_tags;  // [R][T]: one per (expert rank, token)
     char *records;                     // [R][T][kRecordBytes] stamped words, by source rank (signal region)

@@ -84,7 +84,8 @@ struct WaitContext {
 // sits at the same offset of every rank's buffer: a peer mapped here (peer_bases[r] != 0, NVLink)
 // gets a store, any other an NVSHMEM put of that word.
 constexpr unsigned int kFlagLocal = 1u;                  // this rank failed; its record says why
-constexpr unsigned int kReport = 1u << 31, kReportViolation = 1u << 30;
+constexpr unsigned int kReport = 1u << 31;
+constexpr unsigned int kReportViolation = 1u << 30;
 constexpr int kReportRankBits = 15;                      // reporter and culprit: ranks < 32767
 constexpr unsigned int kReportNoPeer = (1u << kReportRankBits) - 1u;
 
@@ -93,15 +94,27 @@ __device__ __forceinline__ unsigned int report_word(int reporter, int culprit, b
            (culprit < 0 ? kReportNoPeer : static_cast<unsigned int>(culprit));
 }
 
+// A wait can be late only because the peer it waits for is itself waiting for a third rank (a
+// reducer that waits for room from a receiver that waits for the silent rank). Had it timed out at
+// its own deadline, which may come first, every rank would name that peer instead of the rank that
+// stopped answering. So a wait that has run half its bound tells every peer, once per Buffer
+// (`notes`, below), which rank it waits for; a wait for peer P that runs out while P's note names
+// a third rank gets one more bound, within which P's own wait runs out and its report, naming the
+// culprit, reaches this rank. Notes stay until Buffer.recover: a stale one costs a later failed
+// call at most that one more bound, never a wrong name.
+constexpr unsigned int kNoNote = 0u;   // a note holds 1 + the rank waited for
+
 struct Guard {
     WaitContext ctx;
     unsigned int *flag;             // device memory of this rank, inside the buffer at peer_bases[rank]
+    unsigned int *notes;            // [num_ranks] in the same buffer: notes[r], rank r's long wait (kNoNote: none)
     const long long *peer_bases;    // [num_ranks] the ranks' buffers as mapped here (0: not mapped)
     int num_ranks;
 
-    __device__ __forceinline__ static Guard make(unsigned int *flag, ErrorRecord *err, unsigned long long timeout_ns,
-                                                 int op, int rank, const long long *peer_bases, int num_ranks) {
-        return Guard{WaitContext::make(err, timeout_ns, op, rank), flag, peer_bases, num_ranks};
+    __device__ __forceinline__ static Guard make(unsigned int *flag, unsigned int *notes, ErrorRecord *err,
+                                                 unsigned long long timeout_ns, int op, int rank,
+                                                 const long long *peer_bases, int num_ranks) {
+        return Guard{WaitContext::make(err, timeout_ns, op, rank), flag, notes, peer_bases, num_ranks};
     }
     // True once this rank or a peer failed. A peer's report is taken by one thread (it swaps the
     // word for kFlagLocal) and recorded by that thread alone: the record is host memory, and every
@@ -122,11 +135,12 @@ struct Guard {
     __device__ __noinline__ void raise_flag(int culprit, bool violation) const {
         const unsigned int before = atomicExch(flag, kFlagLocal);
         __threadfence_system();
-        if (before == 0u) tell_peers(report_word(ctx.rank, culprit, violation));
+        if (before == 0u) store_on_peers(flag, report_word(ctx.rank, culprit, violation));
     }
-    __device__ __noinline__ void tell_peers(unsigned int word) const {
+    // `word` into the same place of every peer's buffer as `local` in this rank's.
+    __device__ __noinline__ void store_on_peers(unsigned int *local, unsigned int word) const {
         const long long own = peer_bases[ctx.rank];
-        const long long offset = reinterpret_cast<long long>(flag) - own;
+        const long long offset = reinterpret_cast<long long>(local) - own;
         for (int r = 0; r < num_ranks; ++r) {
             if (r == ctx.rank) continue;
             const long long peer = own != 0 ? peer_bases[r] : 0;
@@ -134,7 +148,7 @@ struct Guard {
                 *reinterpret_cast<volatile unsigned int *>(peer + offset) = word;
             } else {
 #if defined(EPCOMM_NVSHMEM_INLINE) || defined(EPCOMM_NVSHMEM_LIB)
-                nvshmem_uint32_p(flag, word, r);   // the flag's symmetric address names it on PE r
+                nvshmem_uint32_p(local, word, r);   // the symmetric address names it on PE r
 #endif
             }
         }
@@ -154,8 +168,24 @@ struct Guard {
     // blocks, or by its own forwarding) is late only because one of their waits for a peer is:
     // it gets a second bound, so that wait runs out first, names the peer and raises the flag,
     // which ends this one too. Otherwise the rank could name itself, whichever wait ran out first.
+    // A wait for a peer that waits for a third rank gets a second bound too (notes, above).
     __device__ __forceinline__ bool past_deadline(int peer) const {
-        return globaltimer_ns() > ctx.deadline_ns + (peer == ctx.rank ? ctx.timeout_ns : 0ull);
+        const unsigned long long now = globaltimer_ns();
+        if (peer == ctx.rank) return now > ctx.deadline_ns + ctx.timeout_ns;
+        if (peer < 0 || peer >= num_ranks) return now > ctx.deadline_ns;
+        if (now + ctx.timeout_ns / 2 <= ctx.deadline_ns) return false;
+        return past_deadline_of_long_wait(peer, now);
+    }
+    __device__ __noinline__ bool past_deadline_of_long_wait(int peer, unsigned long long now) const {
+        const unsigned int note = static_cast<unsigned int>(peer) + 1u;
+        // The first long wait of this rank is its note (later ones would make every check a store
+        // on every peer); the note itself is only a hint, so a lost race is harmless.
+        if (atomicCAS(notes + ctx.rank, kNoNote, note) == kNoNote) store_on_peers(notes + ctx.rank, note);
+        if (now <= ctx.deadline_ns) return false;
+        if (now > ctx.deadline_ns + ctx.timeout_ns) return true;
+        const unsigned int theirs = *reinterpret_cast<volatile unsigned int *>(notes + peer);
+        const int waits_for = static_cast<int>(theirs) - 1;
+        return theirs == kNoNote || waits_for == ctx.rank || waits_for == peer;
     }
     // Spin until ready(); every kPollsPerCheck polls check the flag and the deadline.
     template <class Ready>

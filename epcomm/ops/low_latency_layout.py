@@ -9,7 +9,8 @@ control   (depends on R only; offset 0)
           set), tickets [8] u32 (epcomm::ll::Counter: blocks done with the current launch's send /
           receive part, then the combine send part's work claims: records, items);
           then failed u32 (16 B: the kernels' sticky failure flag, set with the PeerTimeout record),
-          then mask [R] i32 (enable_shrink).
+          then mask [R] i32 (enable_shrink), then wait notes [R] u32 (Guard::notes: which rank
+          each rank has waited for over half the bound).
 signals   per set, depends on (T, E): token_tags [R][T] u64 (dispatch messages: a token goes once
           to each rank), record_tags [R][T] u64 (combine: top-k records, by source rank),
           partial_tags [R][T] u64 (combine: partial sums, by expert rank), list_tags [E_l][R] u64,
@@ -102,8 +103,12 @@ class Layout:
         return self.failed + 16
 
     @property
+    def wait_notes(self) -> int:
+        return _align(self.mask + 4 * self.num_ranks, 16)
+
+    @property
     def control_bytes(self) -> int:
-        return _align(self.mask + 4 * self.num_ranks)
+        return _align(self.wait_notes + 4 * self.num_ranks)
 
     # ---- signals ----------------------------------------------------------------------------
     @property

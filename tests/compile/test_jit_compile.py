@@ -247,3 +247,16 @@ def test_params_check_catches_a_drifted_mirror():
                     ("num_tokens_per_expert", ctypes.c_void_p), ("is_token_in_rank", ctypes.c_void_p)]
     with pytest.raises(CompileError, match="offsetof"):
         compiler.check_params_layout("layout.cu", "epcomm::LayoutParams", Drifted)
+
+
+@pytest.mark.parametrize("module, name, source, kernel", [
+    ("tests.gpu.test_wait_chain_gpu", "wait_chain.cu", "CHAIN_SRC", "epcomm::wait_for_peer"),
+    ("tests.gpu.test_low_latency_gpu", "hold_sms.cu", "HOLD_SRC", "epcomm::hold_sms")])
+@pytest.mark.parametrize("arch_sm", [80, 90])
+def test_the_gpu_tests_own_kernels_compile(tmp_path, module, name, source, kernel, arch_sm):
+    """The kernels GPU tests build beside cuda_src/ (tests.helpers.kernels) compile here too."""
+    import importlib
+    text = getattr(importlib.import_module(module), source)
+    with compiler.cuda_src_override(_probe_tree(tmp_path, name, text)):
+        built = compiler.compile_cubin(KernelSource(name, (kernel,)), arch_sm, arch_sm)
+    assert cubin_target(built.cubin) == arch_sm

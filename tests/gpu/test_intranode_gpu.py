@@ -286,11 +286,15 @@ def test_ring_reuse_with_a_small_buffer(dist_env):
     if world == 1:
         pytest.skip("needs 2 or more ranks")
     sms, experts = dist_env.sms(24), _e(64)
-    buf = epcomm.Buffer(dist_env.group, num_nvl_bytes=small_buffer_bytes(world, 40, 8, experts, sms),
+    streams = n_by_rank((2048, 1536), world)
+    # 40 rows, or one chunk of the longest stream where fewer SMs (an MPS share) cut fewer chunks:
+    # still a ring many times smaller than the stream.
+    ring_rows = max(40, plan.tokens_per_chunk(max(streams), plan.num_chunks(sms, world)))
+    buf = epcomm.Buffer(dist_env.group, num_nvl_bytes=small_buffer_bytes(world, ring_rows, 8, experts, sms),
                         explicitly_destroy=True)
     try:
         for seed in (81, 82):
-            inputs = all_inputs(dist_env, n_by_rank((2048, 1536), world), seed=seed, hidden=HIDDEN,
+            inputs = all_inputs(dist_env, streams, seed=seed, hidden=HIDDEN,
                                 num_experts=experts, num_topk=8)
             got = run_dispatch(buf, inputs[rank], device, False, config=epcomm.Config(sms))
             errors = dispatch_errors(got, expected_dispatch(inputs, rank, experts, False), False)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import replace
 
@@ -21,6 +19,7 @@ import pytest
 import torch
 
 from epcomm.ops.low_latency_layout import RECORD_BYTES, Layout
+from tests.helpers.kernels import build_test_kernel
 from tests.helpers.low_latency import (ALL_SHAPES, CASES, FP8_TARGET, POOL, SMALL, TARGET, Case, bits,
                                        case_inputs, check_combine, check_dispatch, checked_round_trip,
                                        combine_input, experts_for, first_mismatch, gather, say,
@@ -400,21 +399,13 @@ def sm_holder(dist_env):
         pytest.skip("processes share this GPU without an MPS partition (tests.gpu_session --no-sm-partition): "
                     "each rank's SM holder takes the SMs the others' kernels were to run on, so no rank "
                     "keeps its free SMs")
-    from epcomm.runtime import compiler
     from epcomm.runtime.launch import driver
-    from epcomm.runtime.module import get_kernel
     smem = getattr(torch.cuda.get_device_properties(dist_env.device), "shared_memory_per_block_optin", 0)
     if not smem:   # older torch: CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
         value = ctypes.c_int()
         assert driver().cuDeviceGetAttribute(ctypes.byref(value), 97, dist_env.device.index) == 0
         smem = value.value
-    with tempfile.TemporaryDirectory() as tmp:
-        root = os.path.join(tmp, "cuda_src")
-        shutil.copytree(compiler.cuda_src_dir(), root)
-        with open(os.path.join(root, "hold_sms.cu"), "w") as f:
-            f.write(HOLD_SRC)
-        with compiler.cuda_src_override(root):
-            kernel = get_kernel(compiler.KernelSource("hold_sms.cu", ("epcomm::hold_sms",)), 0, dist_env.device.index)
+    kernel = build_test_kernel("hold_sms.cu", HOLD_SRC, "epcomm::hold_sms", dist_env.device.index)
     kernel.set_max_dynamic_smem(smem)
     torch.cuda.synchronize()   # torch's context is current on this thread
     stream = ctypes.c_void_p()

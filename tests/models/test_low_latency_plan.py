@@ -27,7 +27,7 @@ def test_dispatch_shared_memory_fits_a_block():
 def _regions(layout: lay.Layout):
     """(name, offset, bytes) of every region the kernels touch, for both sets."""
     T, H, R, E = layout.num_max_tokens, layout.hidden, layout.num_ranks, layout.num_experts
-    out = [("mask", layout.mask, 4 * R), ("failed", layout.failed, 4)]
+    out = [("mask", layout.mask, 4 * R), ("failed", layout.failed, 4), ("wait_notes", layout.wait_notes, 4 * R)]
     for s in (0, 1):
         out += [(f"acks{s}", layout.acks(s), 8 * R), (f"epochs{s}", layout.epochs(s), 16),
                 (f"tickets{s}", layout.tickets(s), lay.TICKET_BYTES),
