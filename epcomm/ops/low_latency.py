@@ -70,6 +70,11 @@ last_trace = _TRACE.last   # [blocks, warps, len(TRACE_SLOTS)] of the latest tra
 set_tracing = _TRACE.set_on   # bench/low_latency_trace.py
 
 
+def tracing() -> bool:
+    """Whether the next calls use the profiling builds."""
+    return _TRACE.on
+
+
 def representative_sources() -> List[KernelSource]:
     """For `python -m epcomm.jit --precompile`, in one unit: the targets.md setting (FP8 dispatch,
     BF16 combine, 2 ranks), power-of-two / UE8M0 scales on 8 ranks, BF16 dispatch with int32 indices,
