@@ -97,11 +97,11 @@ __device__ __forceinline__ unsigned int report_word(int reporter, int culprit, b
 // A wait can be late only because the peer it waits for is itself waiting for a third rank (a
 // reducer that waits for room from a receiver that waits for the silent rank). Had it timed out at
 // its own deadline, which may come first, every rank would name that peer instead of the rank that
-// stopped answering. So a wait that has run half its bound tells every peer, once per Buffer
+// stopped answering. So a wait that has run half its bound tells every peer, once per kernel
 // (`notes`, below), which rank it waits for; a wait for peer P that runs out while P's note names
 // a third rank gets one more bound, within which P's own wait runs out and its report, naming the
-// culprit, reaches this rank. Notes stay until Buffer.recover: a stale one costs a later failed
-// call at most that one more bound, never a wrong name.
+// culprit, reaches this rank. A note counts in the kernel that saw it arrive: each kernel starts
+// by clearing this rank's notes (a peer's note from an earlier call must not stretch this one).
 constexpr unsigned int kNoNote = 0u;   // a note holds 1 + the rank waited for
 
 struct Guard {
@@ -111,9 +111,12 @@ struct Guard {
     const long long *peer_bases;    // [num_ranks] the ranks' buffers as mapped here (0: not mapped)
     int num_ranks;
 
+    // At the start of a kernel, by every thread (block 0 clears the notes: see above).
     __device__ __forceinline__ static Guard make(unsigned int *flag, unsigned int *notes, ErrorRecord *err,
                                                  unsigned long long timeout_ns, int op, int rank,
                                                  const long long *peer_bases, int num_ranks) {
+        if (blockIdx.x == 0)
+            for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) notes[r] = kNoNote;
         return Guard{WaitContext::make(err, timeout_ns, op, rank), flag, notes, peer_bases, num_ranks};
     }
     // True once this rank or a peer failed. A peer's report is taken by one thread (it swaps the
@@ -178,8 +181,8 @@ struct Guard {
     }
     __device__ __noinline__ bool past_deadline_of_long_wait(int peer, unsigned long long now) const {
         const unsigned int note = static_cast<unsigned int>(peer) + 1u;
-        // The first long wait of this rank is its note (later ones would make every check a store
-        // on every peer); the note itself is only a hint, so a lost race is harmless.
+        // The kernel's first long wait is this rank's note (later ones would make every check a
+        // store on every peer); the note itself is only a hint, so a lost race is harmless.
         if (atomicCAS(notes + ctx.rank, kNoNote, note) == kNoNote) store_on_peers(notes + ctx.rank, note);
         if (now <= ctx.deadline_ns) return false;
         if (now > ctx.deadline_ns + ctx.timeout_ns) return true;

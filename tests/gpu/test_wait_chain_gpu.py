@@ -1,9 +1,10 @@
 """The Guard's chain of waits (cuda_src/common/timeout.cuh, "notes"), one process: a kernel plays
 rank 0 of a 3-rank world whose buffers are three blocks of this GPU's memory (mapped peers), and
-waits for peer 1, which never answers. What it records, and when, depends on what rank 1's note
-(as rank 0 holds it) says: nothing (it names rank 1 at its deadline), a third rank (it waits one
-more bound, so rank 1's own report, naming the culprit, reaches it first), or rank 0 itself (a
-cycle: it names rank 1 at its deadline). Runs on every rank of a GPU session, each alone."""
+waits for peer 1, which never answers. What it records, and when, depends on the note of rank 1
+that reaches rank 0 while it waits: none (it names rank 1 at its deadline), a third rank (it waits
+one more bound, so rank 1's own report, naming the culprit, reaches it first), or rank 0 itself (a
+cycle: it names rank 1 at its deadline). A note left from before the kernel does not count. Runs
+on every rank of a GPU session, each alone."""
 from __future__ import annotations
 
 import ctypes
@@ -63,12 +64,14 @@ def kernel(dist_env):
     return build_test_kernel("wait_chain.cu", CHAIN_SRC, "epcomm::wait_for_peer", dist_env.device.index)
 
 
-def wait_for_the_silent_peer(kernel, device, peer_note: int, report_after_s=None):
+def wait_for_the_silent_peer(kernel, device, peer_note=None, report_after_s=None, stale_note=None):
     """(ErrorRecord fields, the three buffers, seconds until the kernel ended) of rank 0's wait for
-    rank 1 while rank 0 holds `peer_note` as rank 1's note; `report_after_s`: rank 1's report
-    (naming rank 2) lands in rank 0's flag that long after the launch."""
+    rank 1. `peer_note`: rank 1's note, landing in rank 0's buffer a quarter of the bound after the
+    launch; `report_after_s`: rank 1's report (naming rank 2) lands in rank 0's flag that long
+    after the launch; `stale_note`: rank 1's note as rank 0's buffer holds it before the launch."""
     buffers = torch.zeros(RANKS, WORDS, dtype=torch.int32, device=device)
-    buffers[WAITER, NOTES + PEER] = peer_note
+    if stale_note is not None:
+        buffers[WAITER, NOTES + PEER] = stale_note
     record = torch.zeros(8, dtype=torch.int32, device=device)
     ready = torch.zeros(1, dtype=torch.int32, device=device)
     bases = torch.tensor([buffers[r].data_ptr() for r in range(RANKS)], dtype=torch.int64, device=device)
@@ -78,9 +81,12 @@ def wait_for_the_silent_peer(kernel, device, peer_note: int, report_after_s=None
     torch.cuda.synchronize(device)
     began = time.monotonic()
     kernel.launch((1, 1, 1), (32, 1, 1), params, waiting.cuda_stream)
-    if report_after_s is not None:
-        time.sleep(report_after_s)
-        with torch.cuda.stream(telling):   # the kernel holds one SM: the fill runs beside it
+    with torch.cuda.stream(telling):   # the kernel holds one SM: the fills run beside it
+        if peer_note is not None:
+            time.sleep(TIMEOUT_S / 4)
+            buffers[WAITER, NOTES + PEER].fill_(peer_note)
+        if report_after_s is not None:
+            time.sleep(max(0.0, report_after_s - (time.monotonic() - began)))
             buffers[WAITER, 0].fill_(_i32(report_word(PEER, THIRD)))
     waiting.synchronize()
     seconds = time.monotonic() - began
@@ -98,7 +104,7 @@ def _i32(value: int) -> int:
 
 
 def test_a_peer_without_a_note_is_named_at_the_deadline(kernel, dist_env):
-    got, buffers, seconds = wait_for_the_silent_peer(kernel, dist_env.device, peer_note=0)
+    got, buffers, seconds = wait_for_the_silent_peer(kernel, dist_env.device)
     assert got == dict(code=status.CODE_PEER_TIMEOUT, rank=WAITER, peer=PEER, reporter=-1), got
     assert TIMEOUT_S <= seconds < 1.75 * TIMEOUT_S, seconds
     # Half way, rank 0 told every peer whom it waits for; at the deadline, that it failed.
@@ -122,6 +128,12 @@ def test_the_second_bound_is_a_bound(kernel, dist_env):
     got, _, seconds = wait_for_the_silent_peer(kernel, dist_env.device, peer_note=THIRD + 1)
     assert got == dict(code=status.CODE_PEER_TIMEOUT, rank=WAITER, peer=PEER, reporter=-1), got
     assert 2 * TIMEOUT_S <= seconds < 2 * TIMEOUT_S + 1.0, seconds
+
+
+def test_a_note_from_before_the_kernel_does_not_count(kernel, dist_env):
+    got, _, seconds = wait_for_the_silent_peer(kernel, dist_env.device, stale_note=THIRD + 1)
+    assert got == dict(code=status.CODE_PEER_TIMEOUT, rank=WAITER, peer=PEER, reporter=-1), got
+    assert TIMEOUT_S <= seconds < 1.75 * TIMEOUT_S, seconds
 
 
 def test_a_peer_waiting_for_this_rank_is_named_at_the_deadline(kernel, dist_env):
