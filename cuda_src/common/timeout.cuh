@@ -183,7 +183,9 @@ struct Guard {
         const unsigned int note = static_cast<unsigned int>(peer) + 1u;
         // The kernel's first long wait is this rank's note (later ones would make every check a
         // store on every peer); the note itself is only a hint, so a lost race is harmless.
-        if (atomicCAS(notes + ctx.rank, kNoNote, note) == kNoNote) store_on_peers(notes + ctx.rank, note);
+        if (*reinterpret_cast<volatile unsigned int *>(notes + ctx.rank) == kNoNote &&
+            atomicCAS(notes + ctx.rank, kNoNote, note) == kNoNote)
+            store_on_peers(notes + ctx.rank, note);
         if (now <= ctx.deadline_ns) return false;
         if (now > ctx.deadline_ns + ctx.timeout_ns) return true;
         const unsigned int theirs = *reinterpret_cast<volatile unsigned int *>(notes + peer);
