@@ -49,7 +49,9 @@ struct Header {
     static constexpr long long kFailed = 16;        // u32, local: Guard's sticky failure flag
     static constexpr long long kViolated = 20;      // u32, local: a data kernel noted a violation
     static constexpr long long kDone = 64;          // u64[R]: epoch each rank last finished
-    static constexpr long long kNotifySignal = kDone + 8LL * kRanks;            // u64[R]: counts from rank s
+    // u32[R] (in 8-byte slots, so the u64 words after it stay aligned): Guard::notes
+    static constexpr long long kWaitNotes = kDone + 8LL * kRanks;
+    static constexpr long long kNotifySignal = kWaitNotes + 8LL * kRanks;       // u64[R]: counts from rank s
     // dispatch: records of (source node, channel) written into this rank's ring (the sender's)
     static constexpr long long kRecordTail = kNotifySignal + 8LL * kRanks;      // u64[M][C]
     // dispatch: records of (channel, destination rank m * L + l) rank m * L + l consumed
@@ -62,8 +64,7 @@ struct Header {
     static constexpr long long kPartialTail = kPushHead + 8LL * kMaxChannels * kLocal;     // u64[M][C]
     // combine: partial sums of (source node, channel) the source consumed
     static constexpr long long kPartialHead = kPartialTail + 8LL * kNodes * kMaxChannels;  // u64[M][C]
-    static constexpr long long kWaitNotes = kPartialHead + 8LL * kNodes * kMaxChannels;  // u32[R]: Guard::notes
-    static constexpr long long kBytes = (kWaitNotes + 4LL * kRanks + 255) / 256 * 256;
+    static constexpr long long kBytes = (kPartialHead + 8LL * kNodes * kMaxChannels + 255) / 256 * 256;
 };
 
 struct NotifyParams {

@@ -144,10 +144,10 @@ def test_header_offsets_follow_the_cuda_formulas():
     # 64 + 8 * 2R (done, notify), to 128; 16 * R * G (G = 1024 chunks); 4R of wait notes, to 128
     assert intranode_plan.header_bytes(1) == 128 + 16 * 1024 + 128
     assert intranode_plan.header_bytes(8) == 256 + 16 * 8 * 1024 + 128
-    # R = 8, M = 2, L = 4, C = 128 channels: 64 + 8 * (2R + M*C + C*R + 2*C*L + 2*M*C) + 4R, to 256
+    # R = 8, M = 2, L = 4, C = 128 channels: 64 + 8 * (3R + M*C + C*R + 2*C*L + 2*M*C), to 256
     assert internode_plan.header_bytes(8, 2) == 22784
-    assert internode_plan.header_bytes(64, 8) == -(-(64 + 8 * (128 + 8 * 128 + 128 * 64 + 2 * 128 * 8 + 2 * 8 * 128)
-                                                      + 4 * 64) // 256) * 256
+    assert internode_plan.header_bytes(64, 8) == -(-(64 + 8 * (3 * 64 + 8 * 128 + 128 * 64 + 2 * 128 * 8 + 2 * 8 * 128))
+                                                   // 256) * 256
 
 
 def test_member_values_are_remembered_per_template_arguments(monkeypatch):
