@@ -251,7 +251,7 @@ def test_params_check_catches_a_drifted_mirror():
 
 @pytest.mark.parametrize("module, name, source, kernel", [
     ("tests.gpu.test_wait_chain_gpu", "wait_chain.cu", "CHAIN_SRC", "epcomm::wait_for_peer"),
-    ("tests.gpu.test_low_latency_gpu", "hold_sms.cu", "HOLD_SRC", "epcomm::hold_sms")])
+    ("tests.gpu.test_sms_held_gpu", "hold_sms.cu", "HOLD_SRC", "epcomm::hold_sms")])
 @pytest.mark.parametrize("arch_sm", [80, 90])
 def test_the_gpu_tests_own_kernels_compile(tmp_path, module, name, source, kernel, arch_sm):
     """The kernels GPU tests build beside cuda_src/ (tests.helpers.kernels) compile here too."""
