@@ -83,3 +83,19 @@ def memory_skip_reason(what: str, need: int, total: int, sharing: int, kind: str
     gib = 1 << 30
     return (f"{what} needs {need / gib:.1f} GiB of {kind} memory per rank; {sharing} rank(s) share "
             f"{total / gib:.0f} GiB here ({share / gib:.1f} GiB each)")
+
+
+def sm_holding_skip_reason(shared_gpu: bool, partitioned: bool, processes_per_gpu: int,
+                           ranks_per_gpu: int) -> Optional[str]:
+    """None when a rank of this session can hold all SMs of its share but a few and keep those few
+    free (tests/gpu/test_sms_held_gpu.py); else the skip reason. Without an MPS partition every
+    rank's holder takes the SMs the others' kernels were to run on; beside another job's processes
+    an MPS share caps a process's SMs but reserves none, so their blocks may take the free ones."""
+    if shared_gpu and not partitioned:
+        return ("processes share this GPU without an MPS partition (tests.gpu_session --no-sm-partition): "
+                "each rank's SM holder takes the SMs the others' kernels were to run on, so no rank "
+                "keeps its free SMs")
+    if processes_per_gpu > ranks_per_gpu:
+        return (f"{processes_per_gpu // ranks_per_gpu} jobs share this GPU: their kernels may take the SMs "
+                f"a rank leaves free (run with tests.gpu_session --jobs 1)")
+    return None

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from tests import topology
 from tests.helpers.kernels import build_test_kernel
 from tests.helpers.low_latency import (ALL_SHAPES, FP8_TARGET, case_inputs, check_combine, check_dispatch,
                                        combine_input, gather, shared_buffer, verdict)
@@ -62,13 +63,11 @@ def sm_holder(dist_env):
     partition: every rank's holder then takes the SMs the other ranks' kernels were to run on; and
     where other jobs' processes share it (an MPS share caps a process's SMs, it reserves none: their
     blocks may sit on the SMs left free here)."""
-    if dist_env.shared_gpu and os.environ.get("EPCOMM_TEST_MPS_UNPARTITIONED") == "1":
-        pytest.skip("processes share this GPU without an MPS partition (tests.gpu_session --no-sm-partition): "
-                    "each rank's SM holder takes the SMs the others' kernels were to run on, so no rank "
-                    "keeps its free SMs")
-    if dist_env.processes_per_gpu > dist_env.ranks_per_gpu:
-        pytest.skip(f"{dist_env.processes_per_gpu // dist_env.ranks_per_gpu} jobs share this GPU: their kernels "
-                    f"may take the SMs a rank leaves free (run with tests.gpu_session --jobs 1)")
+    reason = topology.sm_holding_skip_reason(
+        dist_env.shared_gpu, os.environ.get("EPCOMM_TEST_MPS_UNPARTITIONED") != "1",
+        dist_env.processes_per_gpu, dist_env.ranks_per_gpu)
+    if reason:
+        pytest.skip(reason)
     from epcomm.runtime.launch import driver
     smem = getattr(torch.cuda.get_device_properties(dist_env.device), "shared_memory_per_block_optin", 0)
     if not smem:   # older torch: CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN

@@ -1,6 +1,7 @@
-"""What the internode GPU tests derive on the host, checked without a GPU: the token profiles of
-every rank count, the memory each case needs and the skip reason, and the exact round-trip
-expectation (helpers round_trip_want) against oracle.combine fed with every rank's received rows."""
+"""What the GPU tests derive on the host (tests/topology.py), checked without a GPU: the token
+profiles of every rank count, the memory each internode case needs and the skip reason, when the
+SM-holding tests can run, and the exact round-trip expectation (helpers round_trip_want) against
+oracle.combine fed with every rank's received rows."""
 from __future__ import annotations
 
 import pytest
@@ -86,3 +87,16 @@ def test_round_trip_want_sums_each_copy_exactly():
     inp.x, inp.layout = x, inp.layout[:3] + (torch.ones(1, 8, dtype=torch.bool),)
     want_x, _ = round_trip_want(inp)
     assert torch.equal(want_x, (x.double() * 8).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("shared, partitioned, processes, ranks, runs, says", [
+    (False, True, 1, 1, True, None),              # make test-gpu, one rank per GPU
+    (True, True, 8, 8, True, None),               # 8 ranks on one GPU, one job
+    (True, False, 8, 8, False, "without an MPS partition"),
+    (True, True, 16, 8, False, "2 jobs share this GPU"),
+    (False, True, 3, 1, False, "3 jobs share this GPU"),   # jobs of one rank each, no MPS
+])
+def test_sm_holding_tests_run_only_with_their_share_to_themselves(shared, partitioned, processes, ranks,
+                                                                  runs, says):
+    reason = topology.sm_holding_skip_reason(shared, partitioned, processes, ranks)
+    assert (reason is None) == runs and (says is None or says in reason), reason
