@@ -214,6 +214,6 @@ def round_trip_want(inp: Inputs):
     exactly in fp32 in any order, so oracle.combine's sum is x * (ranks reached) rounded once; the
     weights come back exactly (each expert's weight is non-zero on one rank only). The sum starts
     from +0, so a token reached nowhere, or a -0 row, comes back +0 (hence the + 0.0). Checked against
-    oracle.combine on the CPU (tests/models/test_internode_topologies.py)."""
+    oracle.combine on the CPU (tests/models/test_topology.py)."""
     reached = inp.layout[3].sum(1, keepdim=True).float()
     return (inp.x.float() * reached + 0.0).to(torch.bfloat16), inp.topk_weights
