@@ -518,13 +518,14 @@ class LowLatency:
 
     # ---- maintenance -------------------------------------------------------------------------
     def clean_buffer(self, T: int, H: int, E: int) -> None:
-        """Collective: reset the call counters, acknowledgements, tags, the kernels' failure flag and
-        wait notes for (T, H, E) on every rank (the mask is kept; a recorded failure still makes the Buffer
-        unusable through the host record). Synchronises the GPU and all ranks; not for CUDA graphs."""
+        """Collective: reset the call counters, acknowledgements, tags and the kernels' failure flag
+        for (T, H, E) on every rank (the mask is kept; a recorded failure still makes the Buffer
+        unusable through the host record; each kernel clears the wait notes itself). Synchronises
+        the GPU and all ranks; not for CUDA graphs."""
         layout = self._layout(T, H, E)
         self.gb.nvshmem.barrier_all()   # no rank still runs a low-latency kernel
         self.gb.rdma.view(torch.uint8, (layout.mask,), 0).zero_()
-        self.gb.rdma.view(torch.uint8, (layout.signals_end - layout.wait_notes,), layout.wait_notes).zero_()
+        self.gb.rdma.view(torch.uint8, (layout.signals_end - layout.control_bytes,), layout.control_bytes).zero_()
         self.gb.nvshmem.barrier_all()   # every rank is clean before any rank sends again
         self.next_set, self.signal_shape = 0, (T, E)
 

@@ -59,10 +59,8 @@ class HoldParams(ctypes.Structure):
 def sm_holder(dist_env):
     """(kernel, shared-memory bytes, stream) of hold_sms, built from a copy of cuda_src/ plus
     HOLD_SRC; the stream is created non-blocking (no implicit order with the legacy default
-    stream the low-latency calls may run on). Skips where processes share the GPU without an MPS
-    partition: every rank's holder then takes the SMs the other ranks' kernels were to run on; and
-    where other jobs' processes share it (an MPS share caps a process's SMs, it reserves none: their
-    blocks may sit on the SMs left free here)."""
+    stream the low-latency calls may run on). Skips where the premise cannot hold
+    (topology.sm_holding_skip_reason)."""
     reason = topology.sm_holding_skip_reason(
         dist_env.shared_gpu, os.environ.get("EPCOMM_TEST_MPS_UNPARTITIONED") != "1",
         dist_env.processes_per_gpu, dist_env.ranks_per_gpu)
