@@ -94,14 +94,18 @@ __device__ __forceinline__ unsigned int report_word(int reporter, int culprit, b
            (culprit < 0 ? kReportNoPeer : static_cast<unsigned int>(culprit));
 }
 
-// A wait can be late only because the peer it waits for is itself waiting for a third rank (a
-// reducer that waits for room from a receiver that waits for the silent rank). Had it timed out at
-// its own deadline, which may come first, every rank would name that peer instead of the rank that
-// stopped answering. So a wait that has run half its bound tells every peer, once per kernel
-// (`notes`, below), which rank it waits for; a wait for peer P that runs out while P's note names
-// a third rank gets one more bound, within which P's own wait runs out and its report, naming the
-// culprit, reaches this rank. A note counts in the kernel that saw it arrive: each kernel starts
-// by clearing this rank's notes (a peer's note from an earlier call must not stretch this one).
+// A wait can be late only because the peer it waits for is itself waiting (a reducer that waits
+// for room from a receiver that waits for the silent rank). Had it timed out at its own deadline,
+// which may come first, every rank would name that peer instead of the rank that stopped
+// answering. So a wait that has run half its bound tells every peer, once per kernel (`notes`,
+// below), which rank it waits for; a wait for peer P that runs out while P has a note gets one
+// more bound, within which P's wait for the rank with no note (the silent one) runs out and its
+// report, naming the culprit, reaches this rank. Even a note naming this rank counts: flow
+// control makes waits look circular (this rank's receiver waits for P's rows while P waits for
+// room this receiver frees only after rows from the silent rank), and the note holds only the
+// first long wait of P's kernel. A real cycle among live ranks times out at the second bound.
+// A note counts in the kernel that saw it arrive: each kernel starts by clearing this rank's
+// notes (a peer's note from an earlier call must not stretch this one).
 constexpr unsigned int kNoNote = 0u;   // a note holds 1 + the rank waited for
 
 struct Guard {
@@ -171,7 +175,7 @@ struct Guard {
     // blocks, or by its own forwarding) is late only because one of their waits for a peer is:
     // it gets a second bound, so that wait runs out first, names the peer and raises the flag,
     // which ends this one too. Otherwise the rank could name itself, whichever wait ran out first.
-    // A wait for a peer that waits for a third rank gets a second bound too (notes, above).
+    // A wait for a peer that is itself waiting gets a second bound too (notes, above).
     __device__ __forceinline__ bool past_deadline(int peer) const {
         const unsigned long long now = globaltimer_ns();
         if (peer == ctx.rank) return now > ctx.deadline_ns + ctx.timeout_ns;
@@ -188,9 +192,7 @@ struct Guard {
             store_on_peers(notes + ctx.rank, note);
         if (now <= ctx.deadline_ns) return false;
         if (now > ctx.deadline_ns + ctx.timeout_ns) return true;
-        const unsigned int theirs = *reinterpret_cast<volatile unsigned int *>(notes + peer);
-        const int waits_for = static_cast<int>(theirs) - 1;
-        return theirs == kNoNote || waits_for == ctx.rank || waits_for == peer;
+        return *reinterpret_cast<volatile unsigned int *>(notes + peer) == kNoNote;
     }
     // Spin until ready(); every kPollsPerCheck polls check the flag and the deadline.
     template <class Ready>
