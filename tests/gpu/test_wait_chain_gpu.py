@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from epcomm.runtime import status
+from epcomm.runtime import cuda_decls, status
 from tests.helpers.kernels import build_test_kernel
 
 pytestmark = pytest.mark.gpu
@@ -57,7 +57,7 @@ class ChainParams(ctypes.Structure):
 RANKS, WAITER, PEER, THIRD = 3, 0, 1, 2
 WORDS, NOTES = 16, 4            # a rank's buffer: u32 words, the flag at 0, notes[R] from word 4
 TIMEOUT_S = 1.0
-_C = status._CODES
+_C = cuda_decls.header("common/timeout.cuh")   # the Guard's words, as the kernel declares them
 REPORT, RANK_BITS, FLAG_LOCAL = _C.constant("kReport"), _C.constant("kReportRankBits"), _C.constant("kFlagLocal")
 
 
