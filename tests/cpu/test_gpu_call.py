@@ -42,3 +42,33 @@ def test_tasks_bounds_marks_and_logs(tmp_path):
     assert "first: done in an earlier call" in again and "slow: cut at its bound" in again, again
     redo = _call(str(tmp_path), REDO="slow", SKIP="long")
     assert "slow: rc=0" in redo and "long: done in an earlier call" in redo, redo
+
+
+def _plans():
+    ci = os.path.join(ROOT, ".ci")
+    return sorted(os.path.join(ci, f) for f in os.listdir(ci) if f.startswith("gpu-plan"))
+
+
+def test_the_committed_plans_are_well_formed():
+    """Every .ci/gpu-plan* line is LANE NAME BOUND COMMAND with a unique name, a bound of seconds
+    (`N` or `N!`) a call can hold, and a command bash parses."""
+    plans = _plans()
+    assert len(plans) >= 2, plans
+    for plan in plans:
+        names = []
+        with open(plan) as f:
+            lines = [line.rstrip("\n") for line in f if line.strip() and not line.lstrip().startswith("#")]
+        for line in lines:
+            lane, name, bound, command = line.split(None, 3)
+            assert bound.rstrip("!").isdigit() and 0 < int(bound.rstrip("!")) <= 560, (plan, line)
+            parsed = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
+            assert parsed.returncode == 0, (plan, name, parsed.stderr)
+            names.append(name)
+        assert len(names) == len(set(names)), (plan, names)
+
+
+def test_the_deepep_build_script_parses():
+    script = os.path.join(ROOT, ".ci", "gpu-deepep-build")
+    assert os.access(script, os.X_OK)
+    parsed = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
+    assert parsed.returncode == 0, parsed.stderr
