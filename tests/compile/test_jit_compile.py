@@ -3,8 +3,8 @@
 and errors come back as CompileError with the compiler's log."""
 from __future__ import annotations
 
+import importlib
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -16,6 +16,7 @@ from epcomm.runtime import cache, compiler, options, toolchain
 from epcomm.runtime.compiler import KernelSource
 
 from tests.conftest import ROOT
+from tests.helpers.kernels import cuda_src_with
 TARGETS = [(80, 80), (90, 90), (90, 80)]     # (compile target, feature set)
 
 
@@ -77,13 +78,6 @@ def test_every_registered_source_was_built(precompiled, monkeypatch):
 
 
 # ---- the kernel sources' shared headers --------------------------------------------------------
-def _probe_tree(tmp_path, name: str, text: str) -> str:
-    root = tmp_path / "cuda_src"
-    shutil.copytree(compiler.cuda_src_dir(), root)
-    (root / name).write_text(text)
-    return str(root)
-
-
 _ARCH_PROBE = r"""
 #include "common/arch.cuh"
 namespace epcomm {
@@ -113,7 +107,7 @@ __global__ void put_probe(const __grid_constant__ PutParams p) {
 @pytest.mark.parametrize("arch_sm,feature", TARGETS)
 def test_arch_helpers_compile_for_each_feature_set(tmp_path, arch_sm, feature):
     src = KernelSource("probe.cu", ("epcomm::warp_copy_probe",))
-    with compiler.cuda_src_override(_probe_tree(tmp_path, "probe.cu", _ARCH_PROBE)):
+    with compiler.cuda_src_override(cuda_src_with(str(tmp_path), "probe.cu", _ARCH_PROBE)):
         built = compiler.compile_cubin(src, arch_sm, feature)
     assert cubin_target(built.cubin) == arch_sm
 
@@ -122,7 +116,7 @@ def test_arch_helpers_compile_for_each_feature_set(tmp_path, arch_sm, feature):
 def test_nvshmem_prelude_links_in_both_modes(tmp_path, monkeypatch, link_mode, arch_sm):
     monkeypatch.setenv("EPCOMM_NVSHMEM_LINK", link_mode)
     src = KernelSource("probe.cu", ("epcomm::put_probe<256>",), uses_nvshmem=True)
-    with compiler.cuda_src_override(_probe_tree(tmp_path, "probe.cu", _NVSHMEM_PROBE)):
+    with compiler.cuda_src_override(cuda_src_with(str(tmp_path), "probe.cu", _NVSHMEM_PROBE)):
         built = compiler.compile_cubin(src, arch_sm, arch_sm)
     assert cubin_target(built.cubin) == arch_sm
     # nvshmemx_cumodule_init finds the device state by name in either mode.
@@ -133,7 +127,7 @@ def test_nvshmem_prelude_links_in_both_modes(tmp_path, monkeypatch, link_mode, a
 def test_syntax_error_gives_compile_error_with_log(tmp_path):
     text = "namespace epcomm {\ntemplate <int N> __global__ void broken(int *p) { p[0] = N + ; }\n}\n"
     src = KernelSource("broken.cu", ("epcomm::broken<1>",))
-    with compiler.cuda_src_override(_probe_tree(tmp_path, "broken.cu", text)), \
+    with compiler.cuda_src_override(cuda_src_with(str(tmp_path), "broken.cu", text)), \
             pytest.raises(CompileError) as info:
         compiler.compile_cubin(src, 90, 90)
     err = info.value
@@ -150,7 +144,7 @@ def test_precompile_reports_a_failure_and_exits_nonzero(tmp_path, monkeypatch, c
     text = "template <int N> __global__ void bad(int *p) { p[0] = undefined_name; }\n"
     src = KernelSource("bad.cu", ("bad<1>",))
     monkeypatch.setattr(registry, "representative_sources", lambda: [("tests.fake", src)])
-    with compiler.cuda_src_override(_probe_tree(tmp_path, "bad.cu", text)):
+    with compiler.cuda_src_override(cuda_src_with(str(tmp_path), "bad.cu", text)):
         assert jit.precompile([90], jobs=1) == 1
     out = capsys.readouterr()
     assert "FAIL sm_90/f90" in out.out and "FAIL sm_90/f80" in out.out and "0/2 builds ok" in out.out
@@ -161,7 +155,7 @@ def test_undefined_device_symbol_fails_at_link(tmp_path):
     text = ("extern __device__ int epcomm_missing(int);\n"
             "template <int N> __global__ void calls_missing(int *p) { p[0] = epcomm_missing(N); }\n")
     src = KernelSource("missing.cu", ("calls_missing<2>",))
-    with compiler.cuda_src_override(_probe_tree(tmp_path, "missing.cu", text)), \
+    with compiler.cuda_src_override(cuda_src_with(str(tmp_path), "missing.cu", text)), \
             pytest.raises(CompileError) as info:
         compiler.compile_cubin(src, 90, 90)
     assert info.value.stage == "nvJitLink"
@@ -255,8 +249,7 @@ def test_params_check_catches_a_drifted_mirror():
 @pytest.mark.parametrize("arch_sm", [80, 90])
 def test_the_gpu_tests_own_kernels_compile(tmp_path, module, name, source, kernel, arch_sm):
     """The kernels GPU tests build beside cuda_src/ (tests.helpers.kernels) compile here too."""
-    import importlib
     text = getattr(importlib.import_module(module), source)
-    with compiler.cuda_src_override(_probe_tree(tmp_path, name, text)):
+    with compiler.cuda_src_override(cuda_src_with(str(tmp_path), name, text)):
         built = compiler.compile_cubin(KernelSource(name, (kernel,)), arch_sm, arch_sm)
     assert cubin_target(built.cubin) == arch_sm

@@ -7,14 +7,21 @@ import shutil
 import tempfile
 
 
+def cuda_src_with(parent: str, file_name: str, source: str) -> str:
+    """A copy of cuda_src/ under `parent` with `source` added as `file_name`; its path (for
+    compiler.cuda_src_override)."""
+    from epcomm.runtime import compiler
+    root = os.path.join(parent, "cuda_src")
+    shutil.copytree(compiler.cuda_src_dir(), root)
+    with open(os.path.join(root, file_name), "w") as f:
+        f.write(source)
+    return root
+
+
 def build_test_kernel(file_name: str, source: str, kernel_name: str, device_index: int):
     """The loaded Kernel `kernel_name` of `source`, compiled as cuda_src/`file_name`."""
     from epcomm.runtime import compiler
     from epcomm.runtime.module import get_kernel
     with tempfile.TemporaryDirectory() as tmp:
-        root = os.path.join(tmp, "cuda_src")
-        shutil.copytree(compiler.cuda_src_dir(), root)
-        with open(os.path.join(root, file_name), "w") as f:
-            f.write(source)
-        with compiler.cuda_src_override(root):
+        with compiler.cuda_src_override(cuda_src_with(tmp, file_name, source)):
             return get_kernel(compiler.KernelSource(file_name, (kernel_name,)), 0, device_index)
