@@ -49,7 +49,7 @@ struct Header {
     static constexpr long long kFailed = 16;        // u32, local: Guard's sticky failure flag
     static constexpr long long kViolated = 20;      // u32, local: a data kernel noted a violation
     static constexpr long long kDone = 64;          // u64[R]: epoch each rank last finished
-    // u32[R] (in 8-byte slots, so the u64 words after it stay aligned): Guard::notes
+    // u32[R]: Guard::notes, in 8R bytes (the u64 words after it stay 8-byte aligned for any R)
     static constexpr long long kWaitNotes = kDone + 8LL * kRanks;
     static constexpr long long kNotifySignal = kWaitNotes + 8LL * kRanks;       // u64[R]: counts from rank s
     // dispatch: records of (source node, channel) written into this rank's ring (the sender's)
