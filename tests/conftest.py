@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import traceback
 
 import pytest
@@ -19,7 +20,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from tests.gpu_session import STACKS_ENV, STACKS_SIGNAL  # noqa: E402 (needs ROOT on sys.path)
+from tests.gpu_session import STACKS_ENV, STACKS_SIGNAL, TIMELINE_ENV  # noqa: E402 (needs ROOT on sys.path)
 
 # tests.gpu_session asks a rank it is about to kill for every thread's stack, written to the file
 # it names (pytest replaces sys.stderr). The file object must outlive the registration.
@@ -27,6 +28,20 @@ _STACKS_FILE = None
 if os.environ.get(STACKS_ENV):
     _STACKS_FILE = open(os.environ[STACKS_ENV], "a")
     faulthandler.register(STACKS_SIGNAL, file=_STACKS_FILE, all_threads=True)
+
+# tests.gpu_session's timeline: "<unix time> start|end <test id>" lines, flushed at once (a rank
+# killed at the deadline keeps what it wrote).
+_TIMELINE_FILE = open(os.environ[TIMELINE_ENV], "a", buffering=1) if os.environ.get(TIMELINE_ENV) else None
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _TIMELINE_FILE is not None:
+        _TIMELINE_FILE.write(f"{time.time():.3f} start {nodeid}\n")
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if _TIMELINE_FILE is not None:
+        _TIMELINE_FILE.write(f"{time.time():.3f} end {nodeid}\n")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -215,6 +215,7 @@ def launch(layout: Layout, pytest_args: List[str], log_dir: str, extra_env: Dict
             env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)   # nor one inherited from the caller
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "") if env.get("PYTHONPATH") else ROOT
         env[STACKS_ENV] = os.path.join(log_dir, f"rank{rank}.stacks")
+        env[TIMELINE_ENV] = os.path.join(log_dir, f"rank{rank}.timeline")
         log = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
         # --capture=sys: what native libraries write to the process's stderr (NVSHMEM's fatal init
         # errors, which exit(-1) at once, CUDA's aborts) lands in the rank log instead of in a
@@ -232,6 +233,9 @@ def launch(layout: Layout, pytest_args: List[str], log_dir: str, extra_env: Dict
 # was: report() names the test file line it was stuck in.
 STACKS_SIGNAL = signal.SIGUSR1
 STACKS_ENV = "EPCOMM_TEST_STACKS_FILE"
+# Every rank also writes rank<N>.timeline: the wall-clock time each test started and ended, so the
+# logs of jobs sharing a GPU line up (which test of another job ran while this one stalled).
+TIMELINE_ENV = "EPCOMM_TEST_TIMELINE_FILE"
 STACKS_WAIT_S = 2.0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -210,6 +211,26 @@ def test_native_output_reaches_the_rank_log(tmp_path):
     jobs = [gs.launch(gs.Layout(1, 1), ["-q", "-p", "no:cacheprovider", str(test_file)], str(logs), {})]
     assert gs.wait_all(jobs, str(logs / "rank0.log"), timeout=60) == [[255]]
     assert "native fatal error" in (logs / "rank0.log").read_text()
+
+
+def test_every_rank_writes_when_each_test_started_and_ended(tmp_path):
+    """rank<N>.timeline (tests/conftest.py's hooks): a start and an end line per test, in order,
+    with wall-clock times that bracket the test's own."""
+    test_file = tmp_path / "test_two.py"
+    test_file.write_text("import time\n\n\ndef test_a():\n    print('a', time.time())\n\n\n"
+                         "def test_b():\n    pass\n")
+    logs = tmp_path / "logs"
+    before = time.time()
+    jobs = [gs.launch(gs.Layout(1, 1), ["-q", "-s", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                                        str(test_file)], str(logs), {})]
+    assert gs.wait_all(jobs, str(logs / "rank0.log"), timeout=60) == [[0]]
+    lines = [line.split() for line in (logs / "rank0.timeline").read_text().splitlines()]
+    assert [(what, node.split("::")[-1]) for _, what, node in lines] == [
+        ("start", "test_a"), ("end", "test_a"), ("start", "test_b"), ("end", "test_b")]
+    stamps = [float(t) for t, _, _ in lines]
+    ran_at = float(next(line for line in (logs / "rank0.log").read_text().split("\n") if line.startswith("a "))
+                   .split()[1])
+    assert before <= stamps[0] <= ran_at <= stamps[1] <= stamps[2] <= stamps[3] <= time.time()
 
 
 def test_host_threads_split_the_cores(monkeypatch, tmp_path):
