@@ -29,9 +29,11 @@ if os.environ.get(STACKS_ENV):
     _STACKS_FILE = open(os.environ[STACKS_ENV], "a")
     faulthandler.register(STACKS_SIGNAL, file=_STACKS_FILE, all_threads=True)
 
-# tests.gpu_session's timeline: "<unix time> start|end <test id>" lines, flushed at once (a rank
+# tests.gpu_session's timeline: "<unix time> start <test id>" when a test starts and "<unix time>
+# passed|failed|skipped <test id>" when it ends (failed: any of its phases), flushed at once (a rank
 # killed at the deadline keeps what it wrote).
 _TIMELINE_FILE = open(os.environ[TIMELINE_ENV], "a", buffering=1) if os.environ.get(TIMELINE_ENV) else None
+_OUTCOMES = {}
 
 
 def pytest_runtest_logstart(nodeid, location):
@@ -41,7 +43,7 @@ def pytest_runtest_logstart(nodeid, location):
 
 def pytest_runtest_logfinish(nodeid, location):
     if _TIMELINE_FILE is not None:
-        _TIMELINE_FILE.write(f"{time.time():.3f} end {nodeid}\n")
+        _TIMELINE_FILE.write(f"{time.time():.3f} {_OUTCOMES.pop(nodeid, 'passed')} {nodeid}\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +119,10 @@ def _gpu_skip_reason():
 
 def pytest_runtest_logreport(report):
     """Under tests.gpu_session, print each failure as it happens: a run killed at its time limit
-    still shows what failed before (pytest's own report comes only at the end)."""
+    still shows what failed before (pytest's own report comes only at the end). Also keeps each
+    test's outcome for the timeline."""
+    if report.failed or (report.skipped and report.nodeid not in _OUTCOMES):
+        _OUTCOMES[report.nodeid] = "failed" if report.failed else "skipped"
     if report.failed and os.environ.get("EPCOMM_TEST_REPORT_AT_ONCE") == "1":
         sys.stdout.write(f"\nFAILED at once: {report.nodeid} ({report.when})\n"
                          f"{report.longreprtext[-6000:]}\n")

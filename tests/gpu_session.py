@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPS_CONTROL = "nvidia-cuda-mps-control"
@@ -406,12 +406,64 @@ def report(layout: Layout, codes: List[List[Optional[int]]], log_dir: str) -> in
                     totals[what.rstrip("s") if what.startswith("error") else what] += int(n)
     if layout.jobs > 1:
         print("rank 0 of all jobs: " + (", ".join(f"{n} {w}" for w, n in totals.items()) or "nothing"))
+        timelines = {job: read_timeline(path) for job in range(layout.jobs)
+                     for path in [os.path.join(job_log_dir(layout, log_dir, job), "rank0.timeline")]
+                     if os.path.isfile(path)}
+        lines = beside_failures(timelines)
+        if lines:
+            print("beside each failed or killed test (rank 0 timelines; the jobs share the GPUs):")
+            for line in lines:
+                print("  " + line)
     if reasons:
         print("skips on rank 0, by reason:")
         for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
             print(f"  {n:4d}  {reason}")
     return 0 if all(c == 0 for job_codes in codes for c in job_codes) else 1
 
+
+# ---- timelines: which tests of other jobs ran beside a failure ------------------------------------
+TimedTest = Tuple[float, Optional[float], str, str]   # start, end (None: still running), outcome, test id
+
+
+def read_timeline(path: str) -> List[TimedTest]:
+    """(start, end, outcome, test id) of every test a rank<N>.timeline names, in order; a test still
+    running when the rank was killed has end None and outcome "running"."""
+    started: Dict[str, float] = {}
+    tests: List[TimedTest] = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            parts = line.split(None, 2)
+            if len(parts) != 3:
+                continue
+            stamp, what, node = float(parts[0]), parts[1], parts[2].strip()
+            if what == "start":
+                started[node] = stamp
+            elif node in started:
+                tests.append((started.pop(node), stamp, what, node))
+    tests.extend((stamp, None, "running", node) for node, stamp in started.items())
+    return sorted(tests)
+
+
+def beside_failures(timelines: Dict[int, List[TimedTest]], min_overlap_s: float = 1.0) -> List[str]:
+    """One line per failed (or killed) test of a job: the tests of the other jobs that ran at least
+    min_overlap_s beside it, with their own durations. Jobs share the GPU: a test that stalls
+    there can be the cause or a victim of another job's."""
+    last = max((e if e is not None else s for tests in timelines.values() for s, e, _, _ in tests), default=0.0)
+    lines = []
+    for job, tests in sorted(timelines.items()):
+        for start, end, outcome, node in tests:
+            if outcome not in ("failed", "running"):
+                continue
+            stop = last if end is None else end
+            beside = []
+            for other, others in sorted(timelines.items()):
+                for s, e, o, n in others if other != job else ():
+                    e = last if e is None else e
+                    if min(stop, e) - max(start, s) >= min_overlap_s:
+                        beside.append(f"job {other} {n} ({e - s:.1f} s, {o})")
+            lines.append(f"job {job} {node} {outcome} ({stop - start:.1f} s); beside it: "
+                         + ("; ".join(beside) or f"no test of another job for {min_overlap_s:g} s or more"))
+    return lines
 
 def run_guarded(prog: str, body: Callable[[], int], on_interrupt: str = "") -> int:
     """body()'s exit status; 2 when it raised SessionError, 130 when interrupted. SIGTERM and SIGINT

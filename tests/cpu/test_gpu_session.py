@@ -214,23 +214,43 @@ def test_native_output_reaches_the_rank_log(tmp_path):
 
 
 def test_every_rank_writes_when_each_test_started_and_ended(tmp_path):
-    """rank<N>.timeline (tests/conftest.py's hooks): a start and an end line per test, in order,
-    with wall-clock times that bracket the test's own."""
-    test_file = tmp_path / "test_two.py"
-    test_file.write_text("import time\n\n\ndef test_a():\n    print('a', time.time())\n\n\n"
-                         "def test_b():\n    pass\n")
+    """rank<N>.timeline (tests/conftest.py's hooks): a start line and an outcome line per test, in
+    order, with wall-clock times that bracket the test's own; read back as (start, end, outcome)."""
+    test_file = tmp_path / "test_three.py"
+    test_file.write_text("import time\n\nimport pytest\n\n\ndef test_a():\n    print('a', time.time())\n\n\n"
+                         "def test_b():\n    assert False\n\n\ndef test_c():\n    pytest.skip('no')\n")
     logs = tmp_path / "logs"
     before = time.time()
     jobs = [gs.launch(gs.Layout(1, 1), ["-q", "-s", "-p", "tests.conftest", "-p", "no:cacheprovider",
                                         str(test_file)], str(logs), {})]
-    assert gs.wait_all(jobs, str(logs / "rank0.log"), timeout=60) == [[0]]
+    assert gs.wait_all(jobs, str(logs / "rank0.log"), timeout=60) == [[1]]
     lines = [line.split() for line in (logs / "rank0.timeline").read_text().splitlines()]
     assert [(what, node.split("::")[-1]) for _, what, node in lines] == [
-        ("start", "test_a"), ("end", "test_a"), ("start", "test_b"), ("end", "test_b")]
+        ("start", "test_a"), ("passed", "test_a"), ("start", "test_b"), ("failed", "test_b"),
+        ("start", "test_c"), ("skipped", "test_c")]
     stamps = [float(t) for t, _, _ in lines]
     ran_at = float(next(line for line in (logs / "rank0.log").read_text().split("\n") if line.startswith("a "))
                    .split()[1])
-    assert before <= stamps[0] <= ran_at <= stamps[1] <= stamps[2] <= stamps[3] <= time.time()
+    assert before <= stamps[0] <= ran_at <= stamps[1] <= stamps[2] <= stamps[5] <= time.time()
+    read = gs.read_timeline(str(logs / "rank0.timeline"))
+    assert [(outcome, node.split("::")[-1]) for _, _, outcome, node in read] == [
+        ("passed", "test_a"), ("failed", "test_b"), ("skipped", "test_c")]
+    assert [(s, e) for s, e, _, _ in read] == [(stamps[0], stamps[1]), (stamps[2], stamps[3]), (stamps[4], stamps[5])]
+
+
+def test_a_failure_lists_the_other_jobs_tests_that_ran_beside_it(tmp_path):
+    """Only tests of other jobs that overlap a failed (or killed) test by 1 s or more; a killed
+    test (no end line) lasts until the last stamp of any job."""
+    (tmp_path / "j0").write_text("100 start a\n130 failed a\n131 start k\n")
+    (tmp_path / "j1").write_text("90 start b\n101 passed b\n101 start c\n121 passed c\n140 start d\n150 passed d\n")
+    (tmp_path / "j2").write_text("129.5 start e\n135 passed e\n")
+    timelines = {j: gs.read_timeline(str(tmp_path / f"j{j}")) for j in range(3)}
+    assert timelines[0] == [(100.0, 130.0, "failed", "a"), (131.0, None, "running", "k")]
+    assert gs.beside_failures(timelines) == [
+        "job 0 a failed (30.0 s); beside it: job 1 b (11.0 s, passed); job 1 c (20.0 s, passed)",
+        "job 0 k running (19.0 s); beside it: job 1 d (10.0 s, passed); job 2 e (5.5 s, passed)"]
+    assert gs.beside_failures({0: timelines[0][:1]}) == [
+        "job 0 a failed (30.0 s); beside it: no test of another job for 1 s or more"]
 
 
 def test_host_threads_split_the_cores(monkeypatch, tmp_path):
