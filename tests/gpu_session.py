@@ -233,8 +233,8 @@ def launch(layout: Layout, pytest_args: List[str], log_dir: str, extra_env: Dict
 # was: report() names the test file line it was stuck in.
 STACKS_SIGNAL = signal.SIGUSR1
 STACKS_ENV = "EPCOMM_TEST_STACKS_FILE"
-# Every rank also writes rank<N>.timeline: the wall-clock time each test started and ended, so the
-# logs of jobs sharing a GPU line up (which test of another job ran while this one stalled).
+# Every rank also writes rank<N>.timeline: the wall-clock time each test started and ended, and its
+# outcome, so the logs of jobs sharing a GPU line up (which test of another job ran while this one stalled).
 TIMELINE_ENV = "EPCOMM_TEST_TIMELINE_FILE"
 STACKS_WAIT_S = 2.0
 
@@ -457,13 +457,16 @@ def beside_failures(timelines: Dict[int, List[TimedTest]], min_overlap_s: float 
             stop = last if end is None else end
             beside = []
             for other, others in sorted(timelines.items()):
-                for s, e, o, n in others if other != job else ():
+                if other == job:
+                    continue
+                for s, e, o, n in others:
                     e = last if e is None else e
                     if min(stop, e) - max(start, s) >= min_overlap_s:
                         beside.append(f"job {other} {n} ({e - s:.1f} s, {o})")
             lines.append(f"job {job} {node} {outcome} ({stop - start:.1f} s); beside it: "
                          + ("; ".join(beside) or f"no test of another job for {min_overlap_s:g} s or more"))
     return lines
+
 
 def run_guarded(prog: str, body: Callable[[], int], on_interrupt: str = "") -> int:
     """body()'s exit status; 2 when it raised SessionError, 130 when interrupted. SIGTERM and SIGINT
