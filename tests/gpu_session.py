@@ -411,7 +411,7 @@ def report(layout: Layout, codes: List[List[Optional[int]]], log_dir: str) -> in
                      if os.path.isfile(path)}
         lines = beside_failures(timelines)
         if lines:
-            print("beside each failed or killed test (rank 0 timelines; the jobs share the GPUs):")
+            print("tests of other jobs beside each failure or killed test (rank 0 timelines; the jobs share the GPUs):")
             for line in lines:
                 print("  " + line)
     if reasons:
