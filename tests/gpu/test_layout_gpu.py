@@ -142,9 +142,12 @@ def test_layout_timing_report(dist_env):
     """Prints, for the benchmark shapes, the time per call with CUDA events around back-to-back
     calls (Python overhead included when it dominates) and the GPU time per call from a CUDA graph
     of 20 calls (memset + kernel). Target <= 20 us (DeepEP V1: 34 us). Also proves the op can be
-    captured in a CUDA graph. No timing assertion."""
+    captured in a CUDA graph. No timing assertion. On a GPU shared with other processes (MPS) the
+    times mean nothing, so only the graph is checked: the timing loops' thousands of cooperative
+    launches would only add to the ways another job's kernels can wait there."""
     import torch
     from epcomm.ops.layout import get_dispatch_layout
+    timing = not dist_env.shared_gpu
 
     def timed(fn, reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -160,7 +163,7 @@ def test_layout_timing_report(dist_env):
         for n, r, l in [(4096, 2, 2), (4096, 8, 8), (4096, 16, 8), (512, 8, 8), (32768, 8, 8)]:
             idx = routing(n, 8, 256, "int64", dist_env.device, seed=1)
             want = get_dispatch_layout(idx, 256, r, l)
-            per_call = timed(lambda: get_dispatch_layout(idx, 256, r, l), 200)
+            per_call = timed(lambda: get_dispatch_layout(idx, 256, r, l), 200) if timing else None
             graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device=dist_env.device)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -170,7 +173,8 @@ def test_layout_timing_report(dist_env):
             torch.cuda.synchronize()
             for got in outs:
                 assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want))
-            gpu = timed(graph.replay, 20) / 20
-            print(f"\nlayout N={n} K=8 E=256 R={r} L={l}: {per_call:.1f} us per call, "
-                  f"{gpu:.1f} us GPU time per call (graph) [rank {dist_env.rank}]")
+            if timing:
+                gpu = timed(graph.replay, 20) / 20
+                print(f"\nlayout N={n} K=8 E=256 R={r} L={l}: {per_call:.1f} us per call, "
+                      f"{gpu:.1f} us GPU time per call (graph) [rank {dist_env.rank}]")
     on_all_ranks(dist_env, check)
