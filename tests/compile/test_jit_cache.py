@@ -4,13 +4,15 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
-import shutil
+import os
 
 import pytest
 
 from epcomm.errors import CompileError
 from epcomm.runtime import cache, compiler
 from epcomm.runtime.compiler import KernelSource
+
+from tests.helpers.kernels import cuda_src_with
 
 PROBE = r"""
 #include "common/arch.cuh"
@@ -24,13 +26,11 @@ SRC = KernelSource("probe.cu", ("epcomm::fill<3, int>", "epcomm::fill<4, float>"
 
 def make_tree(path, edit_header: bool = False) -> str:
     """A copy of cuda_src/ plus the probe source; optionally with an edited common header."""
-    root = path / "cuda_src"
-    shutil.copytree(compiler.cuda_src_dir(), root)
-    (root / "probe.cu").write_text(PROBE)
+    root = cuda_src_with(str(path), "probe.cu", PROBE)
     if edit_header:
-        with open(root / "common" / "ptx.cuh", "a") as f:
+        with open(os.path.join(root, "common", "ptx.cuh"), "a") as f:
             f.write("\n// an edit that changes no code still invalidates\n")
-    return str(root)
+    return root
 
 
 @pytest.fixture

@@ -4,12 +4,12 @@ BF16_NAN_BITS. Collective: every rank checks its own GPU."""
 from __future__ import annotations
 
 import ctypes
-import shutil
 import struct
 
 import pytest
 
 from tests.conftest import on_all_ranks
+from tests.helpers.kernels import cuda_src_with
 
 from epcomm.reference import oracle
 from epcomm.runtime import compiler
@@ -37,10 +37,7 @@ class RoundParams(ctypes.Structure):
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bf16") / "cuda_src"
-    shutil.copytree(compiler.cuda_src_dir(), root)
-    (root / "bf16_probe.cu").write_text(PROBE)
-    with compiler.cuda_src_override(root):
+    with compiler.cuda_src_override(cuda_src_with(str(tmp_path_factory.mktemp("bf16")), "bf16_probe.cu", PROBE)):
         yield
 
 

@@ -5,7 +5,6 @@ verdict. Launch overhead is printed (run with -s to see it)."""
 from __future__ import annotations
 
 import ctypes
-import shutil
 import tempfile
 import threading
 import time
@@ -13,6 +12,7 @@ import time
 import pytest
 
 from tests.conftest import on_all_ranks
+from tests.helpers.kernels import cuda_src_with
 
 from epcomm.errors import EpcommError
 from epcomm.runtime import compiler
@@ -65,13 +65,8 @@ class RowParams(ctypes.Structure):
 
 @pytest.fixture(scope="module")
 def probe():
-    with tempfile.TemporaryDirectory() as tmp:
-        root = f"{tmp}/cuda_src"
-        shutil.copytree(compiler.cuda_src_dir(), root)
-        with open(f"{root}/probe.cu", "w") as f:
-            f.write(PROBE)
-        with compiler.cuda_src_override(root):
-            yield
+    with tempfile.TemporaryDirectory() as tmp, compiler.cuda_src_override(cuda_src_with(tmp, "probe.cu", PROBE)):
+        yield
 
 
 
