@@ -406,9 +406,11 @@ def report(layout: Layout, codes: List[List[Optional[int]]], log_dir: str) -> in
                     totals[what.rstrip("s") if what.startswith("error") else what] += int(n)
     if layout.jobs > 1:
         print("rank 0 of all jobs: " + (", ".join(f"{n} {w}" for w, n in totals.items()) or "nothing"))
-        timelines = {job: read_timeline(path) for job in range(layout.jobs)
-                     for path in [os.path.join(job_log_dir(layout, log_dir, job), "rank0.timeline")]
-                     if os.path.isfile(path)}
+        timelines = {}
+        for job in range(layout.jobs):
+            path = os.path.join(job_log_dir(layout, log_dir, job), "rank0.timeline")
+            if os.path.isfile(path):
+                timelines[job] = read_timeline(path)
         lines = beside_failures(timelines)
         if lines:
             print("tests of other jobs beside each failure or killed test (rank 0 timelines; the jobs share the GPUs):")
