@@ -142,7 +142,7 @@ def test_cooperative_launch(dist_env, probe):
     Beside other processes it syncs 2 blocks; the whole share is tested with the GPU to itself
     (task `alone1` of .ci/gpu-plan.example)."""
     import torch
-    whole_share = dist_env.processes_per_gpu == 1
+    whole_share = not dist_env.shared_gpu
 
     def check():
         k = kernel("epcomm::grid_count", dist_env)
