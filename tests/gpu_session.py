@@ -451,20 +451,15 @@ def beside_failures(timelines: Dict[int, List[TimedTest]], min_overlap_s: float 
     min_overlap_s beside it, with their own durations. Jobs share the GPU: a test that stalls
     there can be the cause or a victim of another job's."""
     last = max((e if e is not None else s for tests in timelines.values() for s, e, _, _ in tests), default=0.0)
+    spans = {job: [(s, last if e is None else e, o, n) for s, e, o, n in tests] for job, tests in timelines.items()}
     lines = []
-    for job, tests in sorted(timelines.items()):
-        for start, end, outcome, node in tests:
+    for job, tests in sorted(spans.items()):
+        for start, stop, outcome, node in tests:
             if outcome not in ("failed", "running"):
                 continue
-            stop = last if end is None else end
-            beside = []
-            for other, others in sorted(timelines.items()):
-                if other == job:
-                    continue
-                for s, e, o, n in others:
-                    e = last if e is None else e
-                    if min(stop, e) - max(start, s) >= min_overlap_s:
-                        beside.append(f"job {other} {n} ({e - s:.1f} s, {o})")
+            beside = [f"job {other} {n} ({e - s:.1f} s, {o})"
+                      for other, others in sorted(spans.items()) if other != job
+                      for s, e, o, n in others if min(stop, e) - max(start, s) >= min_overlap_s]
             lines.append(f"job {job} {node} {outcome} ({stop - start:.1f} s); beside it: "
                          + ("; ".join(beside) or f"no test of another job for {min_overlap_s:g} s or more"))
     return lines
